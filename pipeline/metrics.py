@@ -1,0 +1,78 @@
+"""Worker metrics, one registry per worker, served for Prometheus on --metrics-port."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SIZE_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_TOKEN_BUCKETS = (64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.records = Counter(
+            "pipeline_records", "Records processed, by outcome", ["outcome"], registry=r
+        )
+        self.batches = Counter("pipeline_batches", "Micro-batches committed", registry=r)
+        self.batch_records = Histogram(
+            "pipeline_batch_records", "Records per micro-batch", buckets=_SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "pipeline_batch_tokens",
+            "Real tokens per micro-batch",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.padding_efficiency = Gauge(
+            "pipeline_padding_efficiency",
+            "Real tokens / computed tokens of the last batch (1.0 = no padding)",
+            registry=r,
+        )
+        self.truncated = Counter(
+            "pipeline_truncated_records", "Records cut at the model's maximum length", registry=r
+        )
+        self.embed_seconds = Histogram(
+            "pipeline_embed_seconds",
+            "Embedding time per batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.write_seconds = Histogram(
+            "pipeline_write_seconds",
+            "Parquet + dead-letter + publish time per batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.commit_seconds = Histogram(
+            "pipeline_commit_seconds", "Offset commit time", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.batch_latency = Histogram(
+            "pipeline_batch_latency_seconds",
+            "From a batch's first record polled to its offsets committed",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pipeline_batches_in_flight", "Batches between poll and commit", registry=r
+        )
+        self.paused = Gauge(
+            "pipeline_paused_partitions", "Partitions paused by backpressure", registry=r
+        )
+        self.dead_letter = Counter(
+            "pipeline_dead_letter_records", "Records sent to the dead-letter topic", registry=r
+        )
+        self.lag = Gauge(
+            "pipeline_partition_lag",
+            "High watermark minus position",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.index_vectors = Gauge(
+            "pipeline_index_vectors", "Vectors in the FAISS index after the last sync", registry=r
+        )
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, addr="0.0.0.0", registry=self.registry)

@@ -1,0 +1,210 @@
+"""Precision behind a quality gate.
+
+A lower precision is only worth having when its vectors still find the same
+neighbours. `check_precisions()` embeds a sample of real text at fp32 and at each
+candidate precision and reports mean and minimum cosine against fp32, neighbour
+recall@10 (within the sample) and texts/s. `--precision auto` takes the fastest
+precision that passes the gate and remembers the choice per model and device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.embedder import Embedder, cpu_has_native_bf16, pick_device, resolve_model_path
+from pipeline.embedder import weights_revision as _revision
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_COSINE = 0.995
+DEFAULT_MIN_RECALL = 0.95
+SAMPLE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class Gate:
+    min_cosine_mean: float = DEFAULT_MIN_COSINE
+    min_recall_at_10: float = DEFAULT_MIN_RECALL
+
+
+@dataclass(frozen=True)
+class PrecisionReport:
+    precision: str
+    device: str
+    cosine_mean: float
+    cosine_min: float
+    recall_at_10: float
+    texts_per_s: float
+    passed: bool
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    num = (a * b).sum(axis=1)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return num / np.maximum(den, 1e-12)
+
+
+def neighbour_recall(reference: np.ndarray, candidate: np.ndarray, k: int = 10) -> float:
+    """Mean overlap of each row's k nearest neighbours (itself excluded) in both sets."""
+    k = min(k, len(reference) - 1)
+    if k <= 0:
+        return 1.0
+
+    def top_k(vectors: np.ndarray) -> np.ndarray:
+        unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        sims = unit @ unit.T
+        np.fill_diagonal(sims, -np.inf)
+        return np.argpartition(-sims, k, axis=1)[:, :k]
+
+    ref, cand = top_k(reference), top_k(candidate)
+    overlap = [len(set(r) & set(c)) for r, c in zip(ref, cand, strict=True)]
+    return float(np.mean(overlap) / k)
+
+
+def candidates_for(device: str) -> list[str]:
+    """Precisions worth measuring on this device, fastest first."""
+    if device == "cuda":
+        import torch
+
+        return ["bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp16"]
+    native = ["bf16"] if cpu_has_native_bf16() else []
+    return [*native, "int8"]
+
+
+def check_precisions(
+    model: str,
+    device: str,
+    texts: list[str],
+    precisions: list[str] | None = None,
+    gate: Gate = Gate(),
+    sub_batch_tokens: int = 8192,
+) -> list[PrecisionReport]:
+    device = pick_device(device)
+    wanted = precisions or candidates_for(device)
+    reference_model = Embedder.load(model, "fp32", device, sub_batch_tokens)
+    reference, fp32_rate = _timed_embed(reference_model, texts)
+    del reference_model
+    reports = [PrecisionReport("fp32", device, 1.0, 1.0, 1.0, fp32_rate, True)]
+    for precision in wanted:
+        if precision == "fp32":
+            continue
+        embedder = Embedder.load(model, precision, device, sub_batch_tokens)
+        vectors, rate = _timed_embed(embedder, texts)
+        cos = cosine_rows(reference, vectors)
+        recall = neighbour_recall(reference, vectors)
+        passed = bool(cos.mean() >= gate.min_cosine_mean and recall >= gate.min_recall_at_10)
+        reports.append(
+            PrecisionReport(
+                precision, device, float(cos.mean()), float(cos.min()), recall, rate, passed
+            )
+        )
+    return reports
+
+
+def _timed_embed(embedder: Embedder, texts: list[str]) -> tuple[np.ndarray, float]:
+    embedder.embed(texts[:32])  # warm-up: first calls pay for allocation and kernel choice
+    started = time.perf_counter()
+    vectors = embedder.embed(texts)
+    return vectors, len(texts) / (time.perf_counter() - started)
+
+
+def choose(reports: list[PrecisionReport]) -> PrecisionReport:
+    """The fastest report that passed the gate (fp32 always passes)."""
+    return max((r for r in reports if r.passed), key=lambda r: r.texts_per_s)
+
+
+# -- remembering the choice ------------------------------------------------------------
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "embedding-pipeline" / "precision.json"
+
+
+def _cache_key(model: str, device: str) -> str:
+    _, path = resolve_model_path(model)
+    hardware = _cpu_model() if device == "cpu" else _gpu_model()
+    return f"{_revision(path)}|{device}|{hardware}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_model() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+
+
+def remember(model: str, device: str, gate: Gate, reports: list[PrecisionReport]) -> None:
+    path = cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, json.JSONDecodeError):
+        data = {}
+    data[_cache_key(model, device)] = {
+        "choice": choose(reports).precision,
+        "gate": asdict(gate),
+        "reports": [asdict(r) for r in reports],
+        "measured_at": time.time(),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:  # a cache: the next run measures again
+        log.warning("could not remember the precision choice in %s: %s", path, exc)
+
+
+def remembered(model: str, device: str, gate: Gate) -> str | None:
+    path = cache_path()
+    try:
+        entry = json.loads(path.read_text()).get(_cache_key(model, device))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not entry or entry.get("gate") != asdict(gate):
+        return None
+    return str(entry["choice"])
+
+
+def resolve_precision(
+    model: str, device: str, requested: str, texts: list[str], gate: Gate = Gate()
+) -> str:
+    """A concrete precision for `requested` (which may be 'auto')."""
+    if requested != "auto":
+        return requested
+    device = pick_device(device)
+    known = remembered(model, device, gate)
+    if known is not None:
+        log.info("precision auto: %s (remembered for this model and device)", known)
+        return known
+    log.info("precision auto: measuring candidates against fp32 on %d texts", len(texts))
+    # int8 rarely passes and is slow to measure; it is checked by `pipeline model check`.
+    candidates = [p for p in candidates_for(device) if p != "int8"]
+    reports = check_precisions(model, device, texts, candidates, gate)
+    remember(model, device, gate, reports)
+    best = choose(reports)
+    log.info(
+        "precision auto: %s (cosine %.4f, recall@10 %.3f, %.0f texts/s)",
+        best.precision,
+        best.cosine_mean,
+        best.recall_at_10,
+        best.texts_per_s,
+    )
+    return best.precision

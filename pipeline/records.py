@@ -1,0 +1,98 @@
+"""Input records: a Kafka record becomes either a `GoodRecord` or a `BadRecord`.
+
+Bad records are data, not exceptions: they travel through the batch beside the
+good ones and end in the dead-letter topic with their context.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# error.stage header values
+STAGE_DECODE = "decode"
+STAGE_VALIDATE = "validate"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRecord:
+    """What the worker keeps of a consumed Kafka record."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class GoodRecord:
+    source: SourceRecord
+    text: str
+    record_id: str | None
+    metadata: str | None  # the other JSON fields, re-serialised
+
+
+@dataclass(frozen=True, slots=True)
+class BadRecord:
+    source: SourceRecord
+    stage: str
+    error_class: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RecordParser:
+    """Validates record values against the contract's input format."""
+
+    text_field: str = "text"
+    id_field: str = "id"
+    max_text_bytes: int = 65_536
+
+    def parse(self, source: SourceRecord) -> GoodRecord | BadRecord:
+        value = source.value
+        if value is None:
+            return _bad(source, STAGE_DECODE, "Tombstone", "null value (tombstone)")
+        try:
+            decoded = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return _bad(source, STAGE_DECODE, "InvalidUtf8", f"value is not UTF-8: {exc}")
+        try:
+            obj: Any = json.loads(decoded)
+        except json.JSONDecodeError as exc:
+            return _bad(source, STAGE_DECODE, "InvalidJson", f"value is not JSON: {exc}")
+        if not isinstance(obj, dict):
+            kind = type(obj).__name__
+            return _bad(source, STAGE_VALIDATE, "NotAnObject", f"value is a JSON {kind}")
+        return self._validate(source, obj)
+
+    def _validate(self, source: SourceRecord, obj: dict[str, Any]) -> GoodRecord | BadRecord:
+        text = obj.get(self.text_field)
+        if text is None:
+            return _bad(source, STAGE_VALIDATE, "MissingText", f"no {self.text_field!r} field")
+        if not isinstance(text, str):
+            kind = type(text).__name__
+            return _bad(source, STAGE_VALIDATE, "TextNotString", f"{self.text_field!r} is a {kind}")
+        if not text.strip():
+            return _bad(source, STAGE_VALIDATE, "EmptyText", f"{self.text_field!r} is blank")
+        size = len(text.encode("utf-8"))
+        if size > self.max_text_bytes:
+            return _bad(
+                source,
+                STAGE_VALIDATE,
+                "TextTooLarge",
+                f"text is {size} bytes, over the cap of {self.max_text_bytes}",
+            )
+        record_id = obj.get(self.id_field)
+        if record_id is not None and not isinstance(record_id, str):
+            # Numeric ids are common upstream; keep them, as strings.
+            record_id = json.dumps(record_id)
+        rest = {k: v for k, v in obj.items() if k not in (self.text_field, self.id_field)}
+        metadata = json.dumps(rest, ensure_ascii=False) if rest else None
+        return GoodRecord(source, text, record_id, metadata)
+
+
+def _bad(source: SourceRecord, stage: str, error_class: str, message: str) -> BadRecord:
+    return BadRecord(source, stage, error_class, message)

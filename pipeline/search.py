@@ -1,0 +1,58 @@
+"""`pipeline search`: embed a query with the output's own model and look it up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.embedder import Embedder
+from pipeline.errors import IndexStateError
+from sinks.faiss_index import Hit, IndexStore
+from sinks.layout import iter_segments
+
+
+def search_output(output: Path, query: str, k: int, device: str = "auto") -> list[dict[str, Any]]:
+    store = IndexStore(output, use_gpu=device != "cpu")
+    store.load()
+    assert store.meta is not None
+    model = store.meta.model
+    embedder = Embedder.load(
+        _model_name(model),
+        precision="fp32",
+        device="cpu" if device == "auto" else device,
+    )
+    if embedder.info.revision != model.get("model_revision", embedder.info.revision):
+        raise IndexStateError(
+            f"the index was built with {model.get('model')} {model.get('model_revision')}, "
+            f"but that model now loads as {embedder.info.revision}"
+        )
+    hits = store.search(embedder.embed([query]), k)[0]
+    return [dict(_row(output, hit), score=hit.score) for hit in hits]
+
+
+def _model_name(model_meta: dict[str, str]) -> str:
+    name = model_meta.get("model", "default")
+    return "default" if name == "sentence-transformers/all-MiniLM-L6-v2" else name
+
+
+def _row(output: Path, hit: Hit) -> dict[str, Any]:
+    """The Parquet row of a hit: found by file name (its offset range), then by offset."""
+    for name, path in iter_segments(output):
+        if (name.topic, name.partition) == (hit.topic, hit.partition) and (
+            name.first <= hit.offset <= name.last
+        ):
+            table = pq.read_table(
+                path, columns=["topic", "partition", "offset", "id", "text", "key", "timestamp"]
+            )
+            row = table.filter(pc.equal(table["offset"], hit.offset)).to_pylist()
+            if row:
+                found = row[0]
+                found["key"] = found["key"].decode("utf-8", "replace") if found["key"] else None
+                return found
+    raise IndexStateError(
+        f"index entry {hit.topic}[{hit.partition}]@{hit.offset} has no Parquet row; "
+        f"run: pipeline index rebuild --output {output}"
+    )

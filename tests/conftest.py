@@ -1,0 +1,67 @@
+"""Shared fixtures: the real broker (started once per test session), a fresh
+topic and consumer group per test, and the real default model (loaded once)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BOOTSTRAP = os.environ.get("PIPELINE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+
+
+@pytest.fixture(scope="session")
+def broker() -> str:
+    """Starts scripts/dev-kafka.sh once per session (idempotent) and returns bootstrap."""
+    if BOOTSTRAP == "127.0.0.1:9092":
+        subprocess.run([str(REPO / "scripts" / "dev-kafka.sh"), "start"], check=True)
+    return BOOTSTRAP
+
+
+@pytest.fixture
+def kafka_settings(broker: str):
+    from pipeline.config import KafkaSettings
+
+    return KafkaSettings(bootstrap_servers=broker)
+
+
+@pytest.fixture
+def make_topic(broker: str) -> Iterator[Callable[..., str]]:
+    """Creates fresh uniquely named topics; deletes them after the test."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=broker, client_id="tests")
+    created: list[str] = []
+
+    def create(partitions: int = 1, prefix: str = "t") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(name, partitions, 1)])
+        created.append(name)
+        return name
+
+    yield create
+    try:
+        existing = set(admin.list_topics())
+        doomed = [t for t in created + [f"{t}.dlq" for t in created] if t in existing]
+        if doomed:
+            admin.delete_topics(doomed)
+    finally:
+        admin.close()
+
+
+@pytest.fixture
+def group_id() -> str:
+    return f"g-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The real default model, loaded once per test session (fp32, CPU)."""
+    from pipeline.embedder import Embedder
+
+    return Embedder.load("default", precision="fp32", device="cpu")
