@@ -105,10 +105,27 @@ def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: A
     if config_file:
         file_values = load_toml(config_file)
         ctx.default_map = {k: v for k, v in file_values.items() if isinstance(v, dict)}
+        _check_tables(ctx.command, ctx.default_map, config_file)
         _apply_file_globals(
             ctx, kafka, {k: v for k, v in file_values.items() if not isinstance(v, dict)}
         )
     ctx.obj = _kafka_settings(kafka)
+
+
+def _check_tables(command: click.Command, tables: dict[str, Any], path: str) -> None:
+    """Rejects unknown commands and options in the file: a typo must not pass silently."""
+    assert isinstance(command, click.Group)
+    for name, table in tables.items():
+        sub = command.commands.get(name)
+        if sub is None:
+            raise ConfigError(f"{path}: [{name}] is not a command")
+        if isinstance(sub, click.Group):
+            _check_tables(sub, table, path)
+            continue
+        known = {p.name for p in sub.params}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)} in [{name}]")
 
 
 def _apply_file_globals(ctx: click.Context, kafka: dict[str, Any], values: dict[str, Any]) -> None:
@@ -228,7 +245,7 @@ def produce(
 
 
 @main.command()
-@env_option("--topic", "topics_", multiple=True, required=True, help="Input topic (repeatable).")
+@env_option("--topic", "topic", multiple=True, required=True, help="Input topic (repeatable).")
 @env_option("--group", required=True, help="Consumer group id.")
 @env_option("--output", required=True, type=click.Path(file_okay=False, path_type=Path))
 @env_option("--batch-size", type=int, default=256, show_default=True)
@@ -262,9 +279,9 @@ def produce(
 @env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
 @env_option("--progress/--no-progress", default=True, show_default=True)
 @click.pass_obj
-def run(kafka: KafkaSettings, topics_: tuple[str, ...], **options: Any) -> None:
+def run(kafka: KafkaSettings, topic: tuple[str, ...], **options: Any) -> None:
     """Consume, embed and write records until stopped (or to the end with --until-end)."""
-    config = WorkerConfig(topics=tuple(topics_), kafka=kafka, **options)
+    config = WorkerConfig(topics=tuple(topic), kafka=kafka, **options)
     _run_worker(config)
 
 
@@ -317,7 +334,7 @@ def _install_signal_handlers(shutdown: threading.Event) -> None:
 
 @main.command()
 @env_option("--group", required=True)
-@env_option("--topic", "topics_", multiple=True, help="Limit to these topics (repeatable).")
+@env_option("--topic", "topic", multiple=True, help="Limit to these topics (repeatable).")
 @env_option(
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
@@ -336,7 +353,7 @@ def _install_signal_handlers(shutdown: threading.Event) -> None:
 def status(
     kafka: KafkaSettings,
     group: str,
-    topics_: tuple[str, ...],
+    topic: tuple[str, ...],
     output: Path | None,
     as_json: bool,
     watch: float | None,
@@ -344,7 +361,7 @@ def status(
     """Lag report of a consumer group; the exit code is the group's verdict."""
     from pipeline import status as lag
 
-    topics_list = list(topics_) or None
+    topics_list = list(topic) or None
     if watch is not None:
         last = lag.watch(kafka, group, watch, topics_list, output, as_json=as_json)
         sys.exit(lag.exit_code_for(last["verdict"]) if last else 0)

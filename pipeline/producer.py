@@ -76,23 +76,28 @@ def read_rows(path: Path, fmt: str, text_field: str) -> Iterator[InputRow]:
 
 
 def _jsonl(path: Path, text_field: str) -> Iterator[InputRow]:
-    with open(path, encoding="utf-8", errors="strict") as fh:
-        for n, line in enumerate(_lines(fh, path), 1):
-            if not line.strip():
-                continue
+    for n, line, error in _decoded_lines(path):
+        if error is not None:
+            yield InputRow(path, n, None, error)
+            continue
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield InputRow(path, n, None, f"invalid JSON: {exc}")
+            continue
+        yield _checked(path, n, obj, text_field)
+
+
+def _decoded_lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
+    """Lines decoded one by one, so one bad byte costs one line, not the file."""
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield InputRow(path, n, None, f"invalid JSON: {exc}")
-                continue
-            yield _checked(path, n, obj, text_field)
-
-
-def _lines(fh: Any, path: Path) -> Iterator[str]:
-    try:
-        yield from fh
-    except UnicodeDecodeError as exc:
-        raise BadInputLine(f"{path}: not UTF-8 text ({exc})") from exc
+                yield n, raw.decode("utf-8"), None
+            except UnicodeDecodeError as exc:
+                yield n, "", f"not UTF-8: {exc}"
 
 
 def _csv(path: Path, text_field: str) -> Iterator[InputRow]:
@@ -121,11 +126,13 @@ def _parquet(path: Path, text_field: str) -> Iterator[InputRow]:
 
 
 def _text(path: Path, text_field: str) -> Iterator[InputRow]:
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(_lines(fh, path), 1):
-            text = line.rstrip("\n")
-            if text.strip():
-                yield InputRow(path, n, {text_field: text})
+    for n, line, error in _decoded_lines(path):
+        if error is not None:
+            yield InputRow(path, n, None, error)
+            continue
+        text = line.rstrip("\r\n")
+        if text.strip():
+            yield InputRow(path, n, {text_field: text})
 
 
 def _checked(path: Path, line: int, obj: Any, text_field: str) -> InputRow:

@@ -66,6 +66,12 @@ class RecordParser:
         if not isinstance(obj, dict):
             kind = type(obj).__name__
             return _bad(source, STAGE_VALIDATE, "NotAnObject", f"value is a JSON {kind}")
+        if "\\u" in decoded and not _encodable(obj):
+            # A JSON escape of a lone surrogate ("\ud800") decodes to a string
+            # that cannot be written as UTF-8 anywhere downstream.
+            return _bad(
+                source, STAGE_DECODE, "InvalidUnicode", "value has an unpaired surrogate escape"
+            )
         return self._validate(source, obj)
 
     def _validate(self, source: SourceRecord, obj: dict[str, Any]) -> GoodRecord | BadRecord:
@@ -92,6 +98,14 @@ class RecordParser:
         rest = {k: v for k, v in obj.items() if k not in (self.text_field, self.id_field)}
         metadata = json.dumps(rest, ensure_ascii=False) if rest else None
         return GoodRecord(source, text, record_id, metadata)
+
+
+def _encodable(obj: Any) -> bool:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _bad(source: SourceRecord, stage: str, error_class: str, message: str) -> BadRecord:

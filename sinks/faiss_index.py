@@ -135,6 +135,8 @@ class IndexStore:
         self.index_type = index_type
         self._index: Any = None
         self._meta: IndexMeta | None = None
+        # Topic numbers, generation and file of the index a rebuild replaces.
+        self._carried: tuple[dict[str, int], int, str] = ({}, 0, "")
 
     @property
     def meta(self) -> IndexMeta | None:
@@ -154,6 +156,15 @@ class IndexStore:
     def rebuild(self) -> int:
         """Builds the index from scratch from every Parquet file; returns the vector count."""
         with self._locked():
+            # Topic numbers (and so every id) and the generation carry over, so ids
+            # stay stable and a reader holding the old generation sees the change.
+            # Only the metadata is read: the old index may be the broken thing.
+            try:
+                previous = self._saved_meta()
+            except IndexStateError:
+                previous = None
+            self._carried = (dict(previous.topics), previous.generation,
+                             previous.index_file) if previous else ({}, 0, "")
             self._index, self._meta = None, None
             self._add_new_segments(train=self.index_type == "ivf")
             if self._meta is None:
@@ -201,10 +212,13 @@ class IndexStore:
 
     def _ensure(self, dim: int | None, path: Path) -> IndexMeta:
         if self._meta is None:
-            if dim is None:
-                dim = _dim_from_schema(path)
-            self._meta = IndexMeta(dim=dim, index_type=self.index_type, model=_model_meta(path))
-            self._index = self._new_index(dim)
+            if self.index_type != "flat":
+                raise IndexStateError(
+                    f"an {self.index_type} index is trained from all the vectors: run "
+                    f"pipeline index rebuild --output {self.output} --index-type {self.index_type}"
+                )
+            self._meta = self._new_meta(dim if dim is not None else _dim_from_schema(path), path)
+            self._index = faiss_flat(self._meta.dim)
         elif dim is not None and dim != self._meta.dim:
             raise IndexStateError(
                 f"{path.name} has {dim}-d vectors but the index is {self._meta.dim}-d: "
@@ -212,12 +226,12 @@ class IndexStore:
             )
         return self._meta
 
-    def _new_index(self, dim: int) -> Any:
-        import faiss
-
-        if self.index_type == "ivf":
-            return None  # made by _train_ivf
-        return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+    def _new_meta(self, dim: int, path: Path) -> IndexMeta:
+        topics, generation, index_file = self._carried
+        return IndexMeta(
+            dim=dim, index_type=self.index_type, topics=dict(topics), generation=generation,
+            index_file=index_file, model=_model_meta(path),
+        )
 
     def _train_ivf(self, paths: list[Path]) -> None:
         import faiss
@@ -233,7 +247,7 @@ class IndexStore:
         ivf = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
         ivf.train(sample)
         ivf.nprobe = max(1, nlist // 16)
-        self._meta = IndexMeta(dim=dim, index_type="ivf", model=_model_meta(paths[0]))
+        self._meta = self._new_meta(dim, paths[0])
         self._index = faiss.IndexIDMap2(ivf)
 
     # -- persistence -------------------------------------------------------------
@@ -252,12 +266,23 @@ class IndexStore:
             finally:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
-    def _load_if_changed(self) -> None:
+    def _saved_meta(self) -> IndexMeta | None:
         meta_path = self.directory / INDEX_META_FILE
         if not meta_path.exists():
+            return None
+        try:
+            return IndexMeta.from_json(meta_path.read_text())
+        except (ValueError, KeyError) as exc:
+            raise IndexStateError(
+                f"{meta_path} is unreadable ({exc}); run: pipeline index rebuild "
+                f"--output {self.output}"
+            ) from exc
+
+    def _load_if_changed(self) -> None:
+        on_disk = self._saved_meta()
+        if on_disk is None:
             self._index, self._meta = None, None
             return
-        on_disk = IndexMeta.from_json(meta_path.read_text())
         if self._meta is not None and on_disk.generation == self._meta.generation:
             return
         index = _read_index(self.directory / on_disk.index_file)
@@ -344,6 +369,12 @@ class IndexStore:
         if self._index is None:
             return np.empty(0, dtype=np.int64)
         return faiss.vector_to_array(self._index.id_map).astype(np.int64)
+
+
+def faiss_flat(dim: int) -> Any:
+    import faiss
+
+    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
 
 
 def _vectors(table: Any) -> np.ndarray:

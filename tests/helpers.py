@@ -1,0 +1,168 @@
+"""Helpers for integration tests: publish, run workers as real processes, read outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+REPO = Path(__file__).resolve().parents[1]
+PIPELINE = [sys.executable, "-m", "pipeline.cli"]
+
+
+def publish_json(
+    bootstrap: str, topic: str, records: Iterable[dict[str, Any]], partitions: int = 1
+) -> int:
+    """Publishes JSON objects round-robin over the partitions; returns the count."""
+    values = (json.dumps(r).encode() for r in records)
+    return publish_raw(bootstrap, topic, ((None, v) for v in values), partitions)
+
+
+def publish_raw(
+    bootstrap: str,
+    topic: str,
+    items: Iterable[tuple[bytes | None, bytes | None]],
+    partitions: int = 1,
+) -> int:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    n = 0
+    for n, (key, value) in enumerate(items, 1):
+        producer.send(topic, key=key, value=value, partition=(n - 1) % partitions)
+    producer.flush(30)
+    producer.close()
+    return n
+
+
+def corpus_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    from pipeline.corpus import sample_texts
+
+    texts = sample_texts(n, seed)
+    while len(texts) < n:  # the stdlib corpus has ~8,000 paragraphs; repeat for more
+        texts += [f"{t} ({len(texts)})" for t in texts[: n - len(texts)]]
+    return [{"id": f"doc-{i}", "text": t, "lang": "en"} for i, t in enumerate(texts[:n])]
+
+
+def worker_env(bootstrap: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PIPELINE_BOOTSTRAP_SERVERS=bootstrap,
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def worker_args(topic: str | Sequence[str], group: str, output: Path, *extra: str) -> list[str]:
+    topics = [topic] if isinstance(topic, str) else list(topic)
+    args = [*PIPELINE, "run", "--group", group, "--output", str(output), "--no-progress"]
+    for t in topics:
+        args += ["--topic", t]
+    if "--precision" not in extra:
+        args += ["--precision", "fp32"]
+    return [*args, *extra]
+
+
+def start_worker(
+    bootstrap: str, topic: str | Sequence[str], group: str, output: Path, *extra: str,
+    log: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        worker_args(topic, group, output, *extra),
+        env=worker_env(bootstrap),
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def run_until_end(
+    bootstrap: str, topic: str | Sequence[str], group: str, output: Path, *extra: str,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*worker_args(topic, group, output, *extra), "--until-end"],
+        env=worker_env(bootstrap),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 120) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(timeout=timeout)
+
+
+def output_rows(output: Path) -> list[tuple[str, int, int]]:
+    """(topic, partition, offset) of every Parquet row under output/vectors."""
+    rows: list[tuple[str, int, int]] = []
+    for path in sorted((output / "vectors").glob("*.parquet")):
+        table = pq.read_table(path, columns=["topic", "partition", "offset"])
+        rows += zip(
+            table["topic"].to_pylist(),
+            table["partition"].to_pylist(),
+            table["offset"].to_pylist(),
+            strict=True,
+        )
+    return rows
+
+
+def duplicates(rows: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    return [row for row, count in Counter(rows).items() if count > 1]
+
+
+def index_rows(output: Path) -> list[tuple[str, int, int]]:
+    from sinks.faiss_index import IndexStore, decode_id
+
+    store = IndexStore(output)
+    store.load()
+    assert store.meta is not None
+    topics = {no: name for name, no in store.meta.topics.items()}
+    return [
+        (topics[t], p, o) for t, p, o in (decode_id(int(i)) for i in store.ids())
+    ]
+
+
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 10) -> list[Any]:
+    """Every record of a topic, read without a group."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []]
+    consumer.assign(partitions)
+    consumer.seek_to_beginning()
+    ends = consumer.end_offsets(partitions)
+    records: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+        consumer.position(tp) < end for tp, end in ends.items()
+    ):
+        for batch in consumer.poll(timeout_ms=200).values():
+            records += batch
+    consumer.close()
+    return records
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group,
+                             enable_auto_commit=False)
+    partitions = consumer.partitions_for_topic(topic) or set()
+    result = {p: consumer.committed(TopicPartition(topic, p)) for p in sorted(partitions)}
+    consumer.close(autocommit=False)
+    return result
+
+
+def expected_rows(topic: str, counts: dict[int, int]) -> set[tuple[str, int, int]]:
+    return {(topic, p, o) for p, n in counts.items() for o in range(n)}

@@ -1,0 +1,278 @@
+"""Batcher: micro-batches close on record count, token budget or age; they record
+the offsets (bad records included) and assignment epochs of their partitions."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import pytest
+
+from pipeline.batcher import Batcher, MicroBatch
+from pipeline.records import BadRecord, GoodRecord, SourceRecord
+
+Item = tuple[GoodRecord | BadRecord, list[int] | None]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def src(offset: int, partition: int = 0, topic: str = "t") -> SourceRecord:
+    return SourceRecord(topic, partition, offset, 0, None, b"{}")
+
+
+def good(offset: int, n_tokens: int = 3, partition: int = 0, topic: str = "t") -> Item:
+    record = GoodRecord(src(offset, partition, topic), f"text {offset}", None, None)
+    return record, list(range(100 + offset, 100 + offset + n_tokens))
+
+
+def bad(offset: int, partition: int = 0, topic: str = "t") -> Item:
+    return BadRecord(src(offset, partition, topic), "decode", "InvalidJson", "x"), None
+
+
+def epoch_zero(_key: tuple[str, int]) -> int:
+    return 0
+
+
+def make(
+    max_records: int = 100, max_tokens: int = 1000, max_wait_s: float = 1.0
+) -> tuple[Batcher, FakeClock]:
+    clock = FakeClock()
+    return Batcher(max_records, max_tokens, max_wait_s, clock=clock), clock
+
+
+def offsets(batch: MicroBatch) -> list[int]:
+    return sorted(r.source.offset for r in [*batch.good, *batch.bad])
+
+
+def add_all(batcher: Batcher, items: Iterable[Item]) -> list[MicroBatch]:
+    return batcher.add(items, epoch_zero)
+
+
+# ------------------------------------------------------------------ closing rules
+
+
+def test_closes_on_record_count() -> None:
+    batcher, _ = make(max_records=3)
+    closed = add_all(batcher, [good(i) for i in range(7)])
+    assert [offsets(b) for b in closed] == [[0, 1, 2], [3, 4, 5]]
+    assert batcher.pending == 1
+    rest = batcher.flush()
+    assert rest is not None and offsets(rest) == [6]
+    assert batcher.flush() is None
+
+
+def test_bad_records_count_toward_record_count() -> None:
+    batcher, _ = make(max_records=3)
+    closed = add_all(batcher, [good(0), bad(1), bad(2), bad(3)])
+    assert len(closed) == 1
+    assert len(closed[0]) == 3
+    assert [r.source.offset for r in closed[0].good] == [0]
+    assert [r.source.offset for r in closed[0].bad] == [1, 2]
+    assert batcher.pending == 1
+
+
+def test_closes_before_token_budget_would_be_exceeded() -> None:
+    batcher, _ = make(max_tokens=10)
+    closed = add_all(batcher, [good(0, 4), good(1, 4), good(2, 4)])
+    assert len(closed) == 1
+    assert offsets(closed[0]) == [0, 1]
+    assert closed[0].tokens == 8
+    assert batcher.pending == 1
+
+
+def test_closes_when_token_budget_is_reached_exactly() -> None:
+    batcher, _ = make(max_tokens=10)
+    closed = add_all(batcher, [good(0, 6), good(1, 4)])
+    assert len(closed) == 1 and closed[0].tokens == 10
+    assert batcher.pending == 0
+
+
+def test_single_record_over_budget_gets_a_batch_of_its_own() -> None:
+    batcher, _ = make(max_tokens=10)
+    closed = add_all(batcher, [good(0, 2), good(1, 25), good(2, 2)])
+    assert [offsets(b) for b in closed] == [[0], [1]]
+    assert closed[1].tokens == 25
+    assert batcher.pending == 1
+
+
+def test_token_budget_never_exceeded_except_by_a_single_record() -> None:
+    rng = random.Random(7)
+    batcher, _ = make(max_records=50, max_tokens=64)
+    items: list[Item] = []
+    for offset in range(2000):
+        if rng.random() < 0.15:
+            items.append(bad(offset))
+        else:
+            items.append(good(offset, rng.choice([1, 5, 17, 40, 63, 64, 65, 90])))
+    closed = add_all(batcher, items)
+    rest = batcher.flush()
+    batches = closed + ([rest] if rest else [])
+    for batch in batches:
+        assert batch.tokens == sum(len(ids) for ids in batch.token_ids)
+        assert batch.tokens <= 64 or len(batch.good) == 1
+        assert len(batch) <= 50
+    # nothing lost, nothing duplicated, order of arrival kept across batches
+    seen = [r.source.offset for b in batches for r in sorted([*b.good, *b.bad], key=_offset)]
+    assert seen == list(range(2000))
+
+
+def _offset(record: GoodRecord | BadRecord) -> int:
+    return record.source.offset
+
+
+def test_closes_on_age_of_first_record() -> None:
+    batcher, clock = make(max_wait_s=0.5)
+    assert batcher.due() is None
+    assert batcher.seconds_until_due() is None
+    add_all(batcher, [good(0)])
+    clock.now += 0.3
+    add_all(batcher, [good(1)])  # a later record does not restart the clock
+    assert batcher.seconds_until_due() == pytest.approx(0.2)
+    assert batcher.due() is None
+    clock.now += 0.2
+    assert batcher.seconds_until_due() == 0.0
+    batch = batcher.due()
+    assert batch is not None and offsets(batch) == [0, 1]
+    assert batch.opened_at == 1000.0
+    assert batch.closed_at == pytest.approx(1000.5)
+    assert batcher.pending == 0
+    assert batcher.due() is None
+
+
+def test_new_batch_after_close_starts_a_fresh_age() -> None:
+    batcher, clock = make(max_records=1, max_wait_s=0.5)
+    add_all(batcher, [good(0)])  # closes at once on count
+    clock.now += 10
+    add_all(batcher, [])
+    assert batcher.due() is None
+    batcher2, clock2 = make(max_records=2, max_wait_s=0.5)
+    add_all(batcher2, [good(0), good(1)])
+    clock2.now += 10
+    add_all(batcher2, [good(2)])
+    assert batcher2.due() is None  # opened just now, not 10 s ago
+    assert batcher2.seconds_until_due() == pytest.approx(0.5)
+
+
+def test_batch_numbers_increase() -> None:
+    batcher, _ = make(max_records=1)
+    closed = add_all(batcher, [good(0), good(1), good(2)])
+    numbers = [b.number for b in closed]
+    assert numbers == sorted(numbers) and len(set(numbers)) == 3
+
+
+def test_tokenized_matches_good_records() -> None:
+    batcher, _ = make()
+    add_all(batcher, [good(0, 3), bad(1), good(2, 5)])
+    batch = batcher.flush()
+    assert batch is not None
+    tokens = batch.tokenized()
+    assert len(tokens) == 2
+    assert tokens.lengths.tolist() == [3, 5]
+    assert tokens.ids == batch.token_ids
+    assert tokens.total_tokens == batch.tokens == 8
+
+
+# ------------------------------------------------------------------ ranges and epochs
+
+
+def test_ranges_cover_first_and_last_offset_per_partition_including_bad() -> None:
+    batcher, _ = make()
+    add_all(
+        batcher,
+        [bad(4, 0), good(5, 2, 0), good(20, 2, 1), bad(6, 0), bad(21, 1), good(3, 1, 2, "u")],
+    )
+    batch = batcher.flush()
+    assert batch is not None
+    assert batch.ranges == {("t", 0): [4, 6], ("t", 1): [20, 21], ("u", 2): [3, 3]}
+
+
+def test_partition_with_only_bad_records_has_a_range() -> None:
+    batcher, _ = make()
+    add_all(batcher, [bad(8, 1), bad(9, 1)])
+    batch = batcher.flush()
+    assert batch is not None
+    assert batch.ranges == {("t", 1): [8, 9]}
+    assert batch.good == [] and batch.tokens == 0
+
+
+def test_epochs_captured_per_partition_via_epoch_of() -> None:
+    batcher, _ = make(max_records=4)
+    epochs = {("t", 0): 3, ("t", 1): 8}
+    calls: list[tuple[str, int]] = []
+
+    def epoch_of(key: tuple[str, int]) -> int:
+        calls.append(key)
+        return epochs[key]
+
+    closed = batcher.add([good(0, 1, 0), bad(0, 1), good(1, 1, 0), good(1, 1, 1)], epoch_of)
+    assert len(closed) == 1
+    assert closed[0].epochs == {("t", 0): 3, ("t", 1): 8}
+    assert set(calls) == {("t", 0), ("t", 1)}
+    # after a reassignment the next batch carries the new epoch
+    epochs[("t", 0)] = 4
+    batcher.add([good(2, 1, 0)], epoch_of)
+    batch = batcher.flush()
+    assert batch is not None and batch.epochs == {("t", 0): 4}
+
+
+# ------------------------------------------------------------------ drop / without
+
+
+def test_drop_forgets_open_records_of_revoked_partitions() -> None:
+    batcher, _ = make()
+    add_all(batcher, [good(0, 2, 0), good(0, 3, 1), bad(1, 1), good(1, 4, 0), bad(2, 0)])
+    batcher.drop({("t", 1)})
+    assert batcher.pending == 3
+    batch = batcher.flush()
+    assert batch is not None
+    assert {(r.source.partition, r.source.offset) for r in batch.good} == {(0, 0), (0, 1)}
+    assert [(r.source.partition, r.source.offset) for r in batch.bad] == [(0, 2)]
+    assert batch.ranges == {("t", 0): [0, 2]}
+    assert set(batch.epochs) == {("t", 0)}
+    assert batch.tokens == 6
+    assert [len(ids) for ids in batch.token_ids] == [2, 4]
+
+
+def test_drop_of_every_open_partition_leaves_nothing_open() -> None:
+    batcher, clock = make(max_wait_s=0.1)
+    add_all(batcher, [good(0, 2, 0), bad(1, 0)])
+    batcher.drop({("t", 0), ("t", 9)})
+    assert batcher.pending == 0
+    clock.now += 1
+    assert batcher.due() is None
+    assert batcher.flush() is None
+
+
+def test_drop_of_unrelated_or_no_partitions_changes_nothing() -> None:
+    batcher, _ = make()
+    add_all(batcher, [good(0, 2, 0), good(1, 2, 0)])
+    batcher.drop(set())
+    batcher.drop({("other", 0)})
+    batch = batcher.flush()
+    assert batch is not None and offsets(batch) == [0, 1] and batch.tokens == 4
+
+
+def test_without_is_a_copy_and_keeps_token_ids_aligned() -> None:
+    batcher, _ = make()
+    add_all(batcher, [good(0, 1, 0), good(0, 2, 1), good(1, 3, 0), bad(1, 1), good(2, 4, 1)])
+    batch = batcher.flush()
+    assert batch is not None
+    kept = batch.without({("t", 0)})
+    for record, ids in zip(kept.good, kept.token_ids, strict=True):
+        assert ids[0] == 100 + record.source.offset  # the ids made for that record
+    assert [(r.source.partition, r.source.offset) for r in kept.good] == [(1, 0), (1, 2)]
+    assert [len(ids) for ids in kept.token_ids] == [2, 4]
+    assert kept.tokens == 6
+    assert len(kept.bad) == 1
+    assert kept.ranges == {("t", 1): [0, 2]}
+    assert kept.number == batch.number
+    assert (kept.opened_at, kept.closed_at) == (batch.opened_at, batch.closed_at)
+    # the original batch is untouched
+    assert len(batch) == 5 and batch.tokens == 10
+    assert set(batch.ranges) == {("t", 0), ("t", 1)}

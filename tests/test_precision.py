@@ -1,0 +1,204 @@
+"""The precision gate: similarity measures, the choice of the fastest passing
+precision, and the remembered choice per model, device and gate."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import precision as precision_mod
+from pipeline.corpus import sample_texts
+from pipeline.embedder import Embedder
+from pipeline.precision import (
+    Gate,
+    PrecisionReport,
+    cache_path,
+    check_precisions,
+    choose,
+    cosine_rows,
+    neighbour_recall,
+    remember,
+    remembered,
+    resolve_precision,
+)
+
+
+def report(precision: str, rate: float, passed: bool) -> PrecisionReport:
+    cos = 1.0 if passed else 0.9
+    return PrecisionReport(precision, "cpu", cos, cos, cos, rate, passed)
+
+
+REPORTS = [report("fp32", 100.0, True), report("bf16", 250.0, True), report("int8", 400.0, False)]
+
+
+def clustered(n: int = 120, dim: int = 32, seed: int = 0) -> np.ndarray:
+    """Vectors in clusters, so that nearest neighbours are meaningful."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((12, dim))
+    return (centres[rng.integers(0, 12, n)] + 0.3 * rng.standard_normal((n, dim))).astype(
+        np.float32
+    )
+
+
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def fast_revision(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Skips hashing the 90 MB of weights on every cache look-up; the value can be changed."""
+    revision = {"value": "sha256:aaaaaaaaaaaaaaaa"}
+    monkeypatch.setattr(precision_mod, "_revision", lambda _path: revision["value"])
+    return revision
+
+
+# ------------------------------------------------------------------ measures
+
+
+def test_cosine_rows() -> None:
+    a = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0], [1.0, 1.0]])
+    b = np.array([[5.0, 0.0], [1.0, 0.0], [-3.0, -4.0], [0.0, 0.0]])
+    np.testing.assert_allclose(cosine_rows(a, b), [1.0, 0.0, -1.0, 0.0], atol=1e-12)
+    v = clustered(10)
+    np.testing.assert_allclose(cosine_rows(v, 7 * v), 1.0, rtol=1e-6)
+
+
+def test_neighbour_recall_identical_sets_is_one() -> None:
+    v = clustered()
+    assert neighbour_recall(v, v) == 1.0
+    assert neighbour_recall(v, 3.0 * v) == 1.0  # scale does not change neighbours
+
+
+def test_neighbour_recall_drops_for_shuffled_or_perturbed_sets() -> None:
+    v = clustered()
+    rng = np.random.default_rng(1)
+    shuffled = v[rng.permutation(len(v))]
+    slightly = v + 0.01 * rng.standard_normal(v.shape).astype(np.float32)
+    heavily = v + 3.0 * rng.standard_normal(v.shape).astype(np.float32)
+    r_shuffled = neighbour_recall(v, shuffled)
+    r_slight = neighbour_recall(v, slightly)
+    r_heavy = neighbour_recall(v, heavily)
+    assert r_shuffled < 0.3
+    assert r_heavy < 0.5
+    assert 0.9 <= r_slight <= 1.0
+    assert r_heavy < r_slight
+
+
+def test_neighbour_recall_small_sets() -> None:
+    v = clustered(5)
+    assert neighbour_recall(v, v, k=10) == 1.0  # k clipped to n - 1
+    assert neighbour_recall(v[:1], v[:1]) == 1.0  # no neighbours at all
+
+
+# ------------------------------------------------------------------ choice
+
+
+def test_choose_picks_the_fastest_passing_precision() -> None:
+    assert choose(REPORTS).precision == "bf16"  # int8 is faster but failed the gate
+
+
+def test_choose_falls_back_to_fp32() -> None:
+    reports = [report("fp32", 100.0, True), report("bf16", 300.0, False)]
+    assert choose(reports).precision == "fp32"
+
+
+def test_choose_may_keep_fp32_when_it_is_fastest() -> None:
+    reports = [report("fp32", 500.0, True), report("bf16", 300.0, True)]
+    assert choose(reports).precision == "fp32"
+
+
+# ------------------------------------------------------------------ remembering
+
+
+def test_remember_round_trip(cache_home: Path) -> None:
+    gate = Gate()
+    assert remembered("default", "cpu", gate) is None  # nothing cached yet
+    remember("default", "cpu", gate, REPORTS)
+    assert cache_path() == cache_home / "embedding-pipeline" / "precision.json"
+    assert cache_path().is_file()
+    assert remembered("default", "cpu", gate) == "bf16"
+    data = json.loads(cache_path().read_text())
+    (entry,) = data.values()
+    assert entry["choice"] == "bf16"
+    assert [r["precision"] for r in entry["reports"]] == ["fp32", "bf16", "int8"]
+    assert list(cache_home.glob("embedding-pipeline/*.tmp")) == []
+
+
+def test_gate_mismatch_is_not_remembered(cache_home: Path, fast_revision: dict) -> None:
+    remember("default", "cpu", Gate(), REPORTS)
+    assert remembered("default", "cpu", Gate(min_cosine_mean=0.999)) is None
+    assert remembered("default", "cpu", Gate(min_recall_at_10=0.5)) is None
+    assert remembered("default", "cpu", Gate()) == "bf16"
+
+
+def test_other_device_is_not_remembered(cache_home: Path, fast_revision: dict) -> None:
+    remember("default", "cpu", Gate(), REPORTS)
+    assert remembered("default", "cuda", Gate()) is None
+
+
+def test_other_model_revision_is_not_remembered(
+    cache_home: Path, fast_revision: dict[str, str]
+) -> None:
+    remember("default", "cpu", Gate(), REPORTS)
+    fast_revision["value"] = "sha256:bbbbbbbbbbbbbbbb"
+    assert remembered("default", "cpu", Gate()) is None
+
+
+def test_remember_keeps_other_entries_and_survives_a_corrupt_cache(
+    cache_home: Path, fast_revision: dict
+) -> None:
+    path = cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert remembered("default", "cpu", Gate()) is None
+    strict, loose = Gate(0.9999, 0.99), Gate(0.5, 0.5)
+    remember("default", "cpu", strict, [REPORTS[0]])
+    remember("default", "cuda", loose, [replace(r, device="cuda") for r in REPORTS])
+    assert remembered("default", "cpu", strict) == "fp32"
+    assert remembered("default", "cuda", loose) == "bf16"
+
+
+def test_resolve_precision_uses_the_remembered_choice(
+    cache_home: Path, fast_revision: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_measuring(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("measured although the choice was remembered")
+
+    monkeypatch.setattr(precision_mod, "check_precisions", no_measuring)
+    assert resolve_precision("default", "cpu", "fp32", []) == "fp32"  # explicit: as asked
+    remember("default", "cpu", Gate(), REPORTS)
+    assert resolve_precision("default", "cpu", "auto", []) == "bf16"
+
+
+# ------------------------------------------------------------------ the gate on real vectors
+
+
+@pytest.fixture(scope="module")
+def int8_embedder() -> Embedder:
+    return Embedder.load("default", precision="int8", device="cpu")
+
+
+def test_check_precisions_on_real_text(
+    embedder: Embedder, int8_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = {"fp32": embedder, "int8": int8_embedder}
+    monkeypatch.setattr(
+        precision_mod.Embedder, "load", staticmethod(lambda _m, p, *_a, **_k: loaded[p])
+    )
+    texts = sample_texts(512)[:16]
+    strict = Gate(0.99999, 0.999)
+    reports = check_precisions("default", "cpu", texts, ["int8"], strict)
+    assert [r.precision for r in reports] == ["fp32", "int8"]
+    fp32, int8 = reports
+    assert (fp32.cosine_mean, fp32.recall_at_10, fp32.passed) == (1.0, 1.0, True)
+    assert 0.8 < int8.cosine_min <= int8.cosine_mean < 0.99999
+    assert 0.0 < int8.recall_at_10 <= 1.0
+    assert int8.texts_per_s > 0
+    assert not int8.passed
+    assert choose(reports).precision == "fp32"

@@ -1,0 +1,278 @@
+"""The worker against the real broker: every record exactly once in the outputs,
+through bad records, crashes, rebalances and slow batches."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from tests.helpers import (
+    committed_offsets,
+    corpus_records,
+    duplicates,
+    index_rows,
+    output_rows,
+    publish_json,
+    publish_raw,
+    read_topic,
+    run_until_end,
+    start_worker,
+    stop,
+    worker_args,
+    worker_env,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _partition_counts(bootstrap: str, topic: str) -> dict[int, int]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+    parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []]
+    ends = consumer.end_offsets(parts)
+    consumer.close()
+    return {tp.partition: end for tp, end in ends.items()}
+
+
+def _assert_exactly_once(broker: str, topic: str, output: Path, dead: set[tuple] = frozenset()):
+    rows = output_rows(output)
+    assert duplicates(rows) == []
+    expected = {
+        (topic, p, o) for p, n in _partition_counts(broker, topic).items() for o in range(n)
+    }
+    assert set(rows) == expected - set(dead)
+    assert sorted(index_rows(output)) == sorted(rows)
+
+
+def test_until_end_embeds_every_record_once_and_commits(broker, make_topic, group_id, tmp_path):
+    topic = make_topic(partitions=3)
+    records = corpus_records(300)
+    publish_json(broker, topic, records, partitions=3)
+    out = tmp_path / "out"
+
+    result = run_until_end(broker, topic, group_id, out, "--batch-size", "64")
+
+    assert result.returncode == 0, result.stderr
+    _assert_exactly_once(broker, topic, out)
+    assert committed_offsets(broker, group_id, topic) == {0: 100, 1: 100, 2: 100}
+    # The rows carry the record and metadata the contract promises.
+    tables = [pq.read_table(p) for p in sorted((out / "vectors").glob("*.parquet"))]
+    by_id = {r["id"]: r for t in tables for r in t.to_pylist()}
+    assert by_id["doc-0"]["text"] == records[0]["text"]
+    assert json.loads(by_id["doc-0"]["metadata"]) == {"lang": "en"}
+    assert len(by_id["doc-0"]["embedding"]) == 384
+    meta = pq.read_schema(next((out / "vectors").glob("*.parquet"))).metadata
+    assert meta[b"embedding.precision"] == b"fp32"
+    assert meta[b"embedding.dim"] == b"384"
+
+
+BAD_VALUES: list[tuple[str, bytes | None]] = [
+    ("InvalidUtf8", b"\xff\xfe not utf-8"),
+    ("InvalidJson", b'{"text": "unterminated'),
+    ("NotAnObject", b'["a", "list"]'),
+    ("MissingText", b'{"id": "x"}'),
+    ("TextNotString", b'{"text": 42}'),
+    ("EmptyText", b'{"text": ""}'),
+    ("EmptyText", b'{"text": "   \\n\\t "}'),
+    ("Tombstone", None),
+    ("TextTooLarge", json.dumps({"text": "x" * 5000}).encode()),
+]
+
+
+def test_bad_records_go_to_the_dead_letter_topic_once_with_headers(
+    broker, make_topic, group_id, tmp_path
+):
+    topic = make_topic(partitions=2)
+    items: list[tuple[bytes | None, bytes | None]] = []
+    expected_bad = {}
+    good = corpus_records(40)
+    for i, record in enumerate(good):
+        items.append((f"good-{i}".encode(), json.dumps(record).encode()))
+        if i < len(BAD_VALUES):
+            kind, value = BAD_VALUES[i]
+            key = f"bad-{i}".encode()
+            items.append((key, value))
+            expected_bad[key] = (kind, value)
+    publish_raw(broker, topic, items, partitions=2)
+    out = tmp_path / "out"
+
+    result = run_until_end(
+        broker, topic, group_id, out, "--batch-size", "8", "--max-text-bytes", "4096"
+    )
+
+    assert result.returncode == 0, result.stderr
+    dead = read_topic(broker, f"{topic}.dlq")
+    assert sorted(r.key for r in dead) == sorted(expected_bad)
+    dead_positions = set()
+    for record in dead:
+        kind, value = expected_bad[record.key]
+        headers = {k: v.decode() for k, v in record.headers}
+        assert record.value == value  # unchanged bytes
+        assert headers["error.class"] == kind
+        assert headers["error.stage"] in ("decode", "validate")
+        assert headers["error.message"]
+        assert headers["source.topic"] == topic
+        position = (topic, int(headers["source.partition"]), int(headers["source.offset"]))
+        dead_positions.add(position)
+    _assert_exactly_once(broker, topic, out, dead=dead_positions)
+    assert len(output_rows(out)) == len(good)
+
+
+def test_crash_between_publish_and_commit_leaves_no_duplicate(
+    broker, make_topic, group_id, tmp_path
+):
+    """The output directory is the truth: files past the committed offset are skipped."""
+    topic = make_topic(partitions=2)
+    publish_json(broker, topic, corpus_records(120), partitions=2)
+    out = tmp_path / "out"
+    assert run_until_end(broker, topic, group_id, out, "--batch-size", "32").returncode == 0
+    rows_before = sorted(output_rows(out))
+    # Rewind the group as if the commits after the last renames had never happened.
+    consumer = KafkaConsumer(bootstrap_servers=broker, group_id=group_id,
+                             enable_auto_commit=False)
+    consumer.assign([TopicPartition(topic, 0), TopicPartition(topic, 1)])
+    consumer.commit({TopicPartition(topic, p): OffsetAndMetadata(10, "", -1) for p in (0, 1)})
+    consumer.close(autocommit=False)
+
+    result = run_until_end(broker, topic, group_id, out, "--batch-size", "32")
+
+    assert result.returncode == 0, result.stderr
+    assert sorted(output_rows(out)) == rows_before
+    assert committed_offsets(broker, group_id, topic) == {0: 60, 1: 60}
+    _assert_exactly_once(broker, topic, out)
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_then_restart_loses_and_duplicates_nothing(
+    broker, make_topic, group_id, tmp_path
+):
+    topic = make_topic(partitions=3)
+    publish_json(broker, topic, corpus_records(900), partitions=3)
+    out = tmp_path / "out"
+    log = tmp_path / "worker.log"
+    rng = random.Random(7)
+    kills = 0
+    for _ in range(6):
+        proc = start_worker(broker, topic, group_id, out, "--batch-size", "24",
+                            "--poll-timeout-ms", "100", "--index-sync-interval-s", "1",
+                            "--session-timeout-ms", "6000", log=log)
+        time.sleep(rng.uniform(5.0, 9.0))  # start-up takes ~4 s; then kill mid-stream
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait(timeout=30)
+        assert duplicates(output_rows(out)) == []
+    assert kills >= 5
+
+    result = run_until_end(broker, topic, group_id, out, "--batch-size", "64",
+                           "--session-timeout-ms", "6000", timeout=600)
+
+    assert result.returncode == 0, result.stderr
+    _assert_exactly_once(broker, topic, out)
+    assert not list((out / "vectors").glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_workers_joining_and_leaving_mid_run(broker, make_topic, group_id, tmp_path):
+    topic = make_topic(partitions=4)
+    publish_json(broker, topic, corpus_records(1200), partitions=4)
+    out = tmp_path / "out"
+    common = ("--batch-size", "32", "--poll-timeout-ms", "100", "--session-timeout-ms", "6000")
+    first = start_worker(broker, topic, group_id, out, *common, log=tmp_path / "a.log")
+    time.sleep(6)
+    second = start_worker(broker, topic, group_id, out, *common, log=tmp_path / "b.log")
+    time.sleep(8)
+    assert stop(first) == 0  # leaves mid-run: SIGTERM, finishes or drops its batch, exit 0
+    third = start_worker(broker, topic, group_id, out, *common, log=tmp_path / "c.log")
+    time.sleep(8)
+    assert stop(second) == 0
+    assert stop(third) == 0
+    assert duplicates(output_rows(out)) == []
+
+    result = run_until_end(broker, topic, group_id, out, *common, timeout=600)
+
+    assert result.returncode == 0, result.stderr
+    _assert_exactly_once(broker, topic, out)
+
+
+@pytest.mark.slow
+def test_batch_slower_than_max_poll_interval_keeps_the_worker_in_its_group(
+    broker, make_topic, group_id, tmp_path
+):
+    topic = make_topic(partitions=1)
+    # Long texts (truncated at 256 tokens) in batches of 256 at fp32: each batch takes
+    # several seconds on a CPU, well over the 2 s max.poll.interval set below.
+    long_records = [
+        {"id": str(i), "text": " ".join([r["text"] for r in corpus_records(8, seed=i)])}
+        for i in range(768)
+    ]
+    publish_json(broker, topic, long_records)
+    out = tmp_path / "out"
+
+    started = time.monotonic()
+    result = run_until_end(
+        broker, topic, group_id, out,
+        "--batch-size", "256", "--max-in-flight", "1", "--max-batch-tokens", "1000000",
+        "--max-poll-interval-ms", "2000", "--session-timeout-ms", "6000",
+        "--log-level", "INFO",
+    )
+    elapsed = time.monotonic() - started
+
+    assert result.returncode == 0, result.stderr
+    _assert_exactly_once(broker, topic, out)
+    # One assignment at start and one revocation at close: no eviction, no rebalance.
+    assert result.stderr.count("partitions assigned") == 1, result.stderr
+    assert "partitions lost" not in result.stderr
+    assert result.stderr.count("partitions revoked") == 1
+    assert elapsed > 6  # the batches really were slower than max.poll.interval
+
+
+def _peak_rss_mb(broker: str, topic: str, group: str, output: Path, *extra: str) -> float:
+    """Peak RSS of one `pipeline run --until-end`, measured by a wrapper process."""
+    code = (
+        "import resource, subprocess, sys, json\n"
+        "args = json.loads(sys.argv[1])\n"
+        "rc = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)"
+        ".returncode\n"
+        "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
+    args = [*worker_args(topic, group, output, *extra), "--until-end"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)],
+        env=worker_env(broker), capture_output=True, text=True, timeout=600,
+    )
+    rc, kb = done.stdout.split()
+    assert rc == "0", done.stderr
+    return int(kb) / 1024
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_with_a_backlog_fifty_times_the_batch(
+    broker, make_topic, tmp_path
+):
+    batch = 32
+    # ~6 KB records: a 50-batch backlog is ~10 MB of values the worker must not hold.
+    text = " ".join(r["text"] for r in corpus_records(40))[:6000]
+    small, large = make_topic(partitions=2), make_topic(partitions=2)
+    publish_json(broker, small, ({"text": f"{i} {text}"} for i in range(batch)), partitions=2)
+    publish_json(broker, large, ({"text": f"{i} {text}"} for i in range(50 * batch)),
+                 partitions=2)
+    extra = ("--batch-size", str(batch), "--max-in-flight", "2")
+
+    peak_small = _peak_rss_mb(broker, small, "mem-small-" + small, tmp_path / "s", *extra)
+    peak_large = _peak_rss_mb(broker, large, "mem-large-" + large, tmp_path / "l", *extra)
+
+    backlog_mb = 50 * batch * 6000 / 1e6
+    print(f"peak RSS: 1 batch {peak_small:.0f} MB, 50 batches {peak_large:.0f} MB "
+          f"(backlog {backlog_mb:.0f} MB of values)")
+    assert peak_large <= peak_small * 1.10
+    assert peak_large - peak_small < backlog_mb
