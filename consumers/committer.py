@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +86,7 @@ class PublishedBatch:
     rows: int
     dead_lettered: int
     dropped_partitions: set[TopicPartitionKey] = field(default_factory=set)
-    finished_at: float = field(default_factory=time.monotonic)
+    opened_at: float = 0.0  # when the batch's first record was polled (monotonic)
 
 
 def segment_names(batch: MicroBatch) -> list[SegmentName]:

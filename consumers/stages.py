@@ -192,6 +192,7 @@ class WriteStage(Stage):
             rows=rows,
             dead_lettered=dead,
             dropped_partitions=dropped,
+            opened_at=batch.opened_at,
         )
 
     def _stage(self, batch: MicroBatch, vectors: np.ndarray) -> list[StagedFile]:
@@ -229,6 +230,11 @@ class InFlight:
     def __len__(self) -> int:
         with self._cond:
             return len(self._batches)
+
+    def clear(self) -> None:
+        with self._cond:
+            self._batches.clear()
+            self._cond.notify_all()
 
     def wait_for(self, partitions: set[TopicPartitionKey], timeout_s: float) -> bool:
         with self._cond:

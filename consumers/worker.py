@@ -10,6 +10,7 @@ flight plus the consumer's fetch buffers, whatever the backlog.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _POLL_TICK_MS = 100
 _END_CHECK_INTERVAL_S = 1.0
+_LAG_METRIC_INTERVAL_S = 2.0
 
 
 class RunSummary:
@@ -112,12 +114,26 @@ class Worker:
         self._stages: list[Stage] = []
         self._end_targets: dict[TopicPartition, int] = {}
         self._progress: Progress | None = None
-        self._revoke_timeout_s = min(config.revoke_timeout_s, config.max_poll_interval_ms / 2000)
+        self._last_lag_update = 0.0
+        self._admin: Any = None
+        self._start_committed: dict[TopicPartition, int] = {}
+        # The revoke wait runs on kafka-python's IO thread and holds up heartbeats:
+        # keep it well inside both the session timeout and the rebalance timeout.
+        self._revoke_timeout_s = min(
+            config.revoke_timeout_s,
+            config.session_timeout_ms / 2000,
+            config.max_poll_interval_ms / 2000,
+        )
 
     # -- life cycle ----------------------------------------------------------------
 
     def run(self) -> RunSummary:
         """Runs until the end (bulk mode), a signal, or an error; returns a summary."""
+        with contextlib.ExitStack() as resources:
+            self._admin = resources.enter_context(cluster.admin_client(self.config.kafka))
+            return self._run()
+
+    def _run(self) -> RunSummary:
         self._preflight()
         removed = self.parquet.prepare()
         if removed:
@@ -131,28 +147,29 @@ class Worker:
         try:
             self._loop()
             self._drain(self.config.shutdown_timeout_s)
+        except PipelineError:
+            self._commit_published()
+            raise
         finally:
             self._close()
         return self.summary
 
     def _preflight(self) -> None:
         cfg = self.config
-        with cluster.admin_client(cfg.kafka) as admin:
-            partitions = cluster.partitions_of(admin, cfg.topics)
-            cluster.ensure_topic(admin, cfg.dead_letter_topic)
-            if cfg.until_end:
-                with cluster.offsets_consumer(cfg.kafka) as reader:
-                    self._end_targets = cluster.end_offsets(reader, partitions)
-                committed = cluster.group_offsets(admin, cfg.group)
-                remaining = sum(
-                    max(0, end - committed.get(tp, 0)) for tp, end in self._end_targets.items()
-                )
-                log.info(
-                    "bulk mode: %d records to the end of %d partition(s)",
-                    remaining,
-                    len(partitions),
-                )
-                self._progress = Progress("embedding", remaining, enabled=cfg.progress)
+        partitions = cluster.partitions_of(self._admin, cfg.topics)
+        cluster.ensure_topic(self._admin, cfg.dead_letter_topic)
+        if cfg.until_end:
+            with cluster.offsets_consumer(cfg.kafka) as reader:
+                self._end_targets = cluster.end_offsets(reader, partitions)
+            self._start_committed = cluster.group_offsets(self._admin, cfg.group)
+            remaining = self._group_remaining(self._start_committed)
+            log.info(
+                "bulk mode: %d records to the end of %d partition(s)", remaining, len(partitions)
+            )
+            self._progress = Progress("embedding", remaining, enabled=cfg.progress)
+
+    def _group_remaining(self, committed: dict[TopicPartition, int]) -> int:
+        return sum(max(0, end - committed.get(tp, 0)) for tp, end in self._end_targets.items())
 
     def _make_consumer(self) -> KafkaConsumer:
         cfg = self.config
@@ -173,6 +190,10 @@ class Worker:
         except KafkaError as exc:
             raise cluster.unreachable(cfg.kafka, exc) from exc
         consumer.subscribe(list(cfg.topics), listener=_Listener(self))
+        # A metadata refresh before the first poll: kafka-python snapshots the
+        # subscribed topics' partitions on metadata updates, and a first join with
+        # an empty snapshot is followed by a needless second rebalance.
+        consumer.topics()
         return consumer
 
     def _start_stages(self) -> None:
@@ -212,6 +233,7 @@ class Worker:
             due = self.batcher.due()
             if due is not None:
                 self._hand_off(due)
+            self._update_lag_metrics()
             if self.config.until_end and time.monotonic() - last_end_check > _END_CHECK_INTERVAL_S:
                 last_end_check = time.monotonic()
                 if self._reached_end():
@@ -276,6 +298,7 @@ class Worker:
 
     def _collect_published(self) -> None:
         assert self._committer is not None
+        opened: list[float] = []
         while True:
             try:
                 published = self._done_q.get_nowait()
@@ -283,10 +306,14 @@ class Worker:
                 break
             self._committer.add(published)
             self._account(published)
+            opened.append(published.opened_at)
         if self._committer.has_pending:
             started = time.perf_counter()
             if self._committer.commit():
                 self.metrics.commit_seconds.observe(time.perf_counter() - started)
+                now = time.monotonic()
+                for opened_at in opened:
+                    self.metrics.batch_latency.observe(now - opened_at)
         self.metrics.in_flight.set(len(self.in_flight))
 
     def _account(self, published: PublishedBatch) -> None:
@@ -299,8 +326,19 @@ class Worker:
         self.metrics.records.labels("dead_lettered").inc(published.dead_lettered)
         self.metrics.dead_letter.inc(published.dead_lettered)
         self.metrics.batches.inc()
-        if self._progress is not None:
-            self._progress.advance(records)
+
+    def _update_lag_metrics(self) -> None:
+        """Lag per owned partition: high watermark (from fetches) minus committed offset."""
+        now = time.monotonic()
+        if now - self._last_lag_update < _LAG_METRIC_INTERVAL_S:
+            return
+        self._last_lag_update = now
+        assert self._consumer is not None and self._committer is not None
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            committed = self._committer.committed.get((tp.topic, tp.partition))
+            if highwater is not None and committed is not None:
+                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(highwater - committed)
 
     def _check_stages(self) -> None:
         for stage in self._stages:
@@ -369,13 +407,20 @@ class Worker:
 
     def _reached_end(self) -> bool:
         if len(self.in_flight) or self.batcher.pending or self._done_q.qsize():
+            self._group_committed()
             return False
         assert self._committer is not None
         if self._committer.has_pending:
             return False
-        with cluster.admin_client(self.config.kafka) as admin:
-            committed = cluster.group_offsets(admin, self.config.group)
-        return all(committed.get(tp, 0) >= end for tp, end in self._end_targets.items() if end > 0)
+        return self._group_remaining(self._group_committed()) == 0
+
+    def _group_committed(self) -> dict[TopicPartition, int]:
+        """The whole group's commits (any worker's), which also drive the progress bar."""
+        committed = cluster.group_offsets(self._admin, self.config.group)
+        if self._progress is not None:
+            start = self._group_remaining(self._start_committed)
+            self._progress.update(start - self._group_remaining(committed))
+        return committed
 
     # -- shutdown ------------------------------------------------------------------
 
@@ -409,10 +454,19 @@ class Worker:
             self._consumer.pause(*(assignment - self._paused))
             self._paused |= assignment
 
+    def _commit_published(self) -> None:
+        """On a failure, still commits the batches that were fully published before it."""
+        try:
+            self._collect_published()
+        except Exception as exc:  # the failure being raised matters more than this commit
+            log.warning("committing published batches after the failure: %s", exc)
+
     def _close(self) -> None:
         self._stop_stages.set()
         for stage in self._stages:
             stage.join(timeout=30)
+        # Stopped stages finish nothing more: a revocation must not wait for them.
+        self.in_flight.clear()
         if self._consumer is not None:
             try:
                 self._consumer.close(autocommit=False, timeout_ms=10_000)

@@ -101,7 +101,7 @@ def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: A
         stream=sys.stderr,
     )
     for noisy in ("kafka", "transformers", "urllib3", "filelock", "faiss", "httpx"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level) if log_level.upper() != "DEBUG" else logging.INFO)
     if config_file:
         file_values = load_toml(config_file)
         ctx.default_map = {k: v for k, v in file_values.items() if isinstance(v, dict)}
@@ -278,6 +278,8 @@ def produce(
 @env_option("--shutdown-timeout-s", type=float, default=60.0, show_default=True)
 @env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
 @env_option("--progress/--no-progress", default=True, show_default=True)
+@env_option("--torch-threads", type=int, default=None,
+            help="CPU threads for the model [default: all cores, less one above two].")
 @click.pass_obj
 def run(kafka: KafkaSettings, topic: tuple[str, ...], **options: Any) -> None:
     """Consume, embed and write records until stopped (or to the end with --until-end)."""
@@ -292,6 +294,7 @@ def _run_worker(config: WorkerConfig) -> None:
     from pipeline.precision import resolve_precision
 
     log.info("configuration: %s", json.dumps(config.redacted(), sort_keys=True))
+    _check_cluster(config)  # fail fast, before the seconds a model load takes
     shutdown = threading.Event()
     _install_signal_handlers(shutdown)
     precision = config.precision
@@ -307,6 +310,13 @@ def _run_worker(config: WorkerConfig) -> None:
         log.info("metrics on http://0.0.0.0:%d/metrics", config.metrics_port)
     summary = run_worker(config, embedder, shutdown, metrics)
     click.echo(f"done: {summary}", err=True)
+
+
+def _check_cluster(config: WorkerConfig) -> None:
+    from pipeline import cluster
+
+    with cluster.admin_client(config.kafka) as admin:
+        cluster.partitions_of(admin, config.topics)
 
 
 def _set_torch_threads(config: WorkerConfig) -> None:

@@ -113,7 +113,8 @@ class WorkerConfig:
     until_end: bool = False
     max_poll_interval_ms: int = 300_000
     session_timeout_ms: int = 45_000
-    revoke_timeout_s: float = 30.0
+    # How long a revocation waits for in-flight batches; it blocks kafka-python's IO thread.
+    revoke_timeout_s: float = 5.0
     index_sync_interval_s: float = 30.0
     shutdown_timeout_s: float = 60.0
     metrics_port: int | None = None

@@ -292,14 +292,15 @@ def build_corpus(
     return records
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_texts(limit: int, seed: int) -> tuple[str, ...]:
-    return tuple(r["text"] for r in build_corpus(limit=limit, seed=seed))
+@functools.lru_cache(maxsize=2)
+def _cached_texts(seed: int) -> tuple[str, ...]:
+    # Parsing the stdlib takes ~2 s: do it once per process and slice.
+    return tuple(r["text"] for r in build_corpus(seed=seed))
 
 
 def sample_texts(limit: int, seed: int = 0) -> list[str]:
     """A deterministic sample of real English paragraphs from this Python's stdlib."""
-    texts = list(_cached_texts(limit, seed))
+    texts = list(_cached_texts(seed)[:limit])
     if not texts:
         raise RuntimeError("no standard-library sources found to sample text from")
     return texts

@@ -199,7 +199,9 @@ class Embedder:
     ) -> Embedder:
         import torch
         from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # one line per failure on stderr, not a bar per load
         name, path = resolve_model_path(model)
         device = pick_device(device)
         _check_precision(precision, device)

@@ -88,7 +88,7 @@ def check_precisions(
     sub_batch_tokens: int = 8192,
 ) -> list[PrecisionReport]:
     device = pick_device(device)
-    wanted = precisions or candidates_for(device)
+    wanted = candidates_for(device) if precisions is None else precisions
     reference_model = Embedder.load(model, "fp32", device, sub_batch_tokens)
     reference, fp32_rate = _timed_embed(reference_model, texts)
     del reference_model
