@@ -100,8 +100,10 @@ def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: A
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Library chatter stays at WARNING, except kafka at INFO when debugging the worker.
+    library_level = logging.INFO if log_level.upper() == "DEBUG" else logging.WARNING
     for noisy in ("kafka", "transformers", "urllib3", "filelock", "faiss", "httpx"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level) if log_level.upper() != "DEBUG" else logging.INFO)
+        logging.getLogger(noisy).setLevel(max(library_level, logging.getLogger().level))
     if config_file:
         file_values = load_toml(config_file)
         ctx.default_map = {k: v for k, v in file_values.items() if isinstance(v, dict)}
@@ -278,8 +280,12 @@ def produce(
 @env_option("--shutdown-timeout-s", type=float, default=60.0, show_default=True)
 @env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
 @env_option("--progress/--no-progress", default=True, show_default=True)
-@env_option("--torch-threads", type=int, default=None,
-            help="CPU threads for the model [default: all cores, less one above two].")
+@env_option(
+    "--torch-threads",
+    type=int,
+    default=None,
+    help="CPU threads for the model [default: all cores, less one above two].",
+)
 @click.pass_obj
 def run(kafka: KafkaSettings, topic: tuple[str, ...], **options: Any) -> None:
     """Consume, embed and write records until stopped (or to the end with --until-end)."""

@@ -163,8 +163,11 @@ class IndexStore:
                 previous = self._saved_meta()
             except IndexStateError:
                 previous = None
-            self._carried = (dict(previous.topics), previous.generation,
-                             previous.index_file) if previous else ({}, 0, "")
+            self._carried = (
+                (dict(previous.topics), previous.generation, previous.index_file)
+                if previous
+                else ({}, 0, "")
+            )
             self._index, self._meta = None, None
             self._add_new_segments(train=self.index_type == "ivf")
             if self._meta is None:
@@ -229,8 +232,12 @@ class IndexStore:
     def _new_meta(self, dim: int, path: Path) -> IndexMeta:
         topics, generation, index_file = self._carried
         return IndexMeta(
-            dim=dim, index_type=self.index_type, topics=dict(topics), generation=generation,
-            index_file=index_file, model=_model_meta(path),
+            dim=dim,
+            index_type=self.index_type,
+            topics=dict(topics),
+            generation=generation,
+            index_file=index_file,
+            model=_model_meta(path),
         )
 
     def _train_ivf(self, paths: list[Path]) -> None:

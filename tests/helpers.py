@@ -74,7 +74,11 @@ def worker_args(topic: str | Sequence[str], group: str, output: Path, *extra: st
 
 
 def start_worker(
-    bootstrap: str, topic: str | Sequence[str], group: str, output: Path, *extra: str,
+    bootstrap: str,
+    topic: str | Sequence[str],
+    group: str,
+    output: Path,
+    *extra: str,
     log: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
@@ -88,7 +92,11 @@ def start_worker(
 
 
 def run_until_end(
-    bootstrap: str, topic: str | Sequence[str], group: str, output: Path, *extra: str,
+    bootstrap: str,
+    topic: str | Sequence[str],
+    group: str,
+    output: Path,
+    *extra: str,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -132,9 +140,7 @@ def index_rows(output: Path) -> list[tuple[str, int, int]]:
     store.load()
     assert store.meta is not None
     topics = {no: name for name, no in store.meta.topics.items()}
-    return [
-        (topics[t], p, o) for t, p, o in (decode_id(int(i)) for i in store.ids())
-    ]
+    return [(topics[t], p, o) for t, p, o in (decode_id(int(i)) for i in store.ids())]
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 10) -> list[Any]:
@@ -156,8 +162,7 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 10) -> list[Any]:
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group,
-                             enable_auto_commit=False)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     partitions = consumer.partitions_for_topic(topic) or set()
     result = {p: consumer.committed(TopicPartition(topic, p)) for p in sorted(partitions)}
     consumer.close(autocommit=False)

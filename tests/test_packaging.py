@@ -33,7 +33,9 @@ def test_console_script_lists_every_contract_command() -> None:
 def test_docker_compose_file_is_valid(profile: list[str]) -> None:
     result = subprocess.run(
         ["docker", "compose", *profile, "config", "--quiet"],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
 

@@ -137,8 +137,7 @@ def test_crash_between_publish_and_commit_leaves_no_duplicate(
     assert run_until_end(broker, topic, group_id, out, "--batch-size", "32").returncode == 0
     rows_before = sorted(output_rows(out))
     # Rewind the group as if the commits after the last renames had never happened.
-    consumer = KafkaConsumer(bootstrap_servers=broker, group_id=group_id,
-                             enable_auto_commit=False)
+    consumer = KafkaConsumer(bootstrap_servers=broker, group_id=group_id, enable_auto_commit=False)
     consumer.assign([TopicPartition(topic, 0), TopicPartition(topic, 1)])
     consumer.commit({TopicPartition(topic, p): OffsetAndMetadata(10, "", -1) for p in (0, 1)})
     consumer.close(autocommit=False)
@@ -162,9 +161,21 @@ def test_kill_9_at_random_moments_then_restart_loses_and_duplicates_nothing(
     rng = random.Random(7)
     kills = 0
     for _ in range(6):
-        proc = start_worker(broker, topic, group_id, out, "--batch-size", "24",
-                            "--poll-timeout-ms", "100", "--index-sync-interval-s", "1",
-                            "--session-timeout-ms", "6000", log=log)
+        proc = start_worker(
+            broker,
+            topic,
+            group_id,
+            out,
+            "--batch-size",
+            "24",
+            "--poll-timeout-ms",
+            "100",
+            "--index-sync-interval-s",
+            "1",
+            "--session-timeout-ms",
+            "6000",
+            log=log,
+        )
         time.sleep(rng.uniform(5.0, 9.0))  # start-up takes ~4 s; then kill mid-stream
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
@@ -173,12 +184,25 @@ def test_kill_9_at_random_moments_then_restart_loses_and_duplicates_nothing(
         assert duplicates(output_rows(out)) == []
     assert kills >= 5
 
-    result = run_until_end(broker, topic, group_id, out, "--batch-size", "64",
-                           "--session-timeout-ms", "6000", timeout=600)
+    result = run_until_end(
+        broker,
+        topic,
+        group_id,
+        out,
+        "--batch-size",
+        "64",
+        "--session-timeout-ms",
+        "6000",
+        timeout=600,
+    )
 
     assert result.returncode == 0, result.stderr
     _assert_exactly_once(broker, topic, out)
     assert not list((out / "vectors").glob(".*.tmp"))
+    print(
+        f"kill -9 loop: {kills} kills, 900 rows expected, {len(output_rows(out))} found, "
+        f"{len(duplicates(output_rows(out)))} duplicates, {len(index_rows(out))} index entries"
+    )
 
 
 @pytest.mark.slow
@@ -220,9 +244,20 @@ def test_batch_slower_than_max_poll_interval_keeps_the_worker_in_its_group(
 
     started = time.monotonic()
     result = run_until_end(
-        broker, topic, group_id, out,
-        "--batch-size", "256", "--max-in-flight", "1", "--max-batch-tokens", "1000000",
-        "--max-poll-interval-ms", "2000", "--session-timeout-ms", "6000",
+        broker,
+        topic,
+        group_id,
+        out,
+        "--batch-size",
+        "256",
+        "--max-in-flight",
+        "1",
+        "--max-batch-tokens",
+        "1000000",
+        "--max-poll-interval-ms",
+        "2000",
+        "--session-timeout-ms",
+        "6000",
     )
     elapsed = time.monotonic() - started
 
@@ -247,7 +282,10 @@ def _peak_rss_mb(broker: str, topic: str, group: str, output: Path, *extra: str)
     args = [*worker_args(topic, group, output, *extra), "--until-end"]
     done = subprocess.run(
         [sys.executable, "-c", code, json.dumps(args)],
-        env=worker_env(broker), capture_output=True, text=True, timeout=600,
+        env=worker_env(broker),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     rc, kb = done.stdout.split()
     assert rc == "0", done.stderr
@@ -255,23 +293,30 @@ def _peak_rss_mb(broker: str, topic: str, group: str, output: Path, *extra: str)
 
 
 @pytest.mark.slow
-def test_memory_stays_flat_with_a_backlog_fifty_times_the_batch(
-    broker, make_topic, tmp_path
-):
+def test_memory_stays_flat_with_a_backlog_fifty_times_the_batch(broker, make_topic, tmp_path):
     batch = 32
     # ~6 KB records: a 50-batch backlog is ~10 MB of values the worker must not hold.
     text = " ".join(r["text"] for r in corpus_records(40))[:6000]
     peaks = {}
     for batches in (1, 10, 50):
         topic = make_topic(partitions=2)
-        publish_json(broker, topic, ({"text": f"{i} {text}"} for i in range(batches * batch)),
-                     partitions=2)
-        peaks[batches] = _peak_rss_mb(
-            broker, topic, f"mem-{topic}", tmp_path / topic,
-            "--batch-size", str(batch), "--max-in-flight", "2",
+        publish_json(
+            broker, topic, ({"text": f"{i} {text}"} for i in range(batches * batch)), partitions=2
         )
-    print(f"peak RSS by backlog (batches of {batch}): "
-          + ", ".join(f"{n}: {mb:.0f} MB" for n, mb in peaks.items()))
+        peaks[batches] = _peak_rss_mb(
+            broker,
+            topic,
+            f"mem-{topic}",
+            tmp_path / topic,
+            "--batch-size",
+            str(batch),
+            "--max-in-flight",
+            "2",
+        )
+    print(
+        f"peak RSS by backlog (batches of {batch}): "
+        + ", ".join(f"{n}: {mb:.0f} MB" for n, mb in peaks.items())
+    )
     # One batch never overlaps the stages; from a few batches on, the working set
     # (batches in flight, fetch buffers) is reached and stays flat however deep
     # the backlog: 50 batches within 5% of 10.
