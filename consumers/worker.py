@@ -39,26 +39,40 @@ log = logging.getLogger(__name__)
 
 _POLL_TICK_MS = 100
 _END_CHECK_INTERVAL_S = 1.0
+_END_CHECK_IDLE_S = 0.2  # nothing in flight: the end may just have been reached
 _LAG_METRIC_INTERVAL_S = 2.0
 
 
 class RunSummary:
+    """What a run did. The rate counts from the first record polled to the last
+    commit: processing throughput, without start-up (model load, group join)."""
+
     def __init__(self) -> None:
         self.records = 0
         self.rows = 0
         self.dead_lettered = 0
         self.batches = 0
         self.started = time.monotonic()
+        self.first_record_at: float | None = None
+        self.last_commit_at: float | None = None
 
     @property
     def seconds(self) -> float:
         return time.monotonic() - self.started
 
+    @property
+    def processing_seconds(self) -> float:
+        if self.first_record_at is None or self.last_commit_at is None:
+            return 0.0
+        return self.last_commit_at - self.first_record_at
+
     def __str__(self) -> str:
-        rate = self.records / self.seconds if self.seconds > 0 else 0.0
+        busy = self.processing_seconds
+        rate = self.records / busy if busy > 0 else 0.0
         return (
             f"{self.records} records ({self.rows} embedded, {self.dead_lettered} dead-lettered) "
-            f"in {self.batches} batches, {self.seconds:.1f}s, {rate:,.0f} records/s"
+            f"in {self.batches} batches, {busy:.1f}s, {rate:,.0f} records/s "
+            f"(first record to last commit; {self.seconds:.1f}s in all)"
         )
 
 
@@ -229,12 +243,16 @@ class Worker:
             timeout = self._poll_timeout_ms()
             polled = self._consumer.poll(timeout_ms=timeout)
             if polled:
+                if self.summary.first_record_at is None:
+                    self.summary.first_record_at = time.monotonic()
                 self._ingest(polled)
             due = self.batcher.due()
             if due is not None:
                 self._hand_off(due)
             self._update_lag_metrics()
-            if self.config.until_end and time.monotonic() - last_end_check > _END_CHECK_INTERVAL_S:
+            idle = not len(self.in_flight) and not self.batcher.pending
+            check_every = _END_CHECK_IDLE_S if idle else _END_CHECK_INTERVAL_S
+            if self.config.until_end and time.monotonic() - last_end_check > check_every:
                 last_end_check = time.monotonic()
                 if self._reached_end():
                     log.info("bulk mode: the group's committed offsets reached the end")
@@ -312,6 +330,7 @@ class Worker:
             if self._committer.commit():
                 self.metrics.commit_seconds.observe(time.perf_counter() - started)
                 now = time.monotonic()
+                self.summary.last_commit_at = now
                 for opened_at in opened:
                     self.metrics.batch_latency.observe(now - opened_at)
         self.metrics.in_flight.set(len(self.in_flight))

@@ -250,9 +250,9 @@ def produce(
 @env_option("--topic", "topic", multiple=True, required=True, help="Input topic (repeatable).")
 @env_option("--group", required=True, help="Consumer group id.")
 @env_option("--output", required=True, type=click.Path(file_okay=False, path_type=Path))
-@env_option("--batch-size", type=int, default=256, show_default=True)
+@env_option("--batch-size", type=int, default=1024, show_default=True)
 @env_option("--poll-timeout-ms", type=int, default=500, show_default=True)
-@env_option("--max-batch-tokens", type=int, default=32_768, show_default=True)
+@env_option("--max-batch-tokens", type=int, default=65_536, show_default=True)
 @env_option(
     "--sub-batch-tokens",
     type=int,
@@ -294,6 +294,9 @@ def run(kafka: KafkaSettings, topic: tuple[str, ...], **options: Any) -> None:
 
 
 def _run_worker(config: WorkerConfig) -> None:
+    # Tokenizing overlaps the model's forward passes on other threads; a parallel
+    # tokenizer would only contend with them for the same cores (measured: -8%).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from consumers.worker import run_worker
     from pipeline.embedder import Embedder
     from pipeline.metrics import WorkerMetrics

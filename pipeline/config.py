@@ -97,9 +97,9 @@ class WorkerConfig:
     group: str
     output: Path
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
-    batch_size: int = 256
+    batch_size: int = 1024
     poll_timeout_ms: int = 500
-    max_batch_tokens: int = 32_768
+    max_batch_tokens: int = 65_536
     # Padded tokens (longest x count) per forward pass; bounds activation memory.
     sub_batch_tokens: int = 8_192
     max_in_flight: int = 2
