@@ -104,6 +104,9 @@ def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: A
     library_level = logging.INFO if log_level.upper() == "DEBUG" else logging.WARNING
     for noisy in ("kafka", "transformers", "urllib3", "filelock", "faiss", "httpx"):
         logging.getLogger(noisy).setLevel(max(library_level, logging.getLogger().level))
+    # kafka-python times its IO loop's tasks; compressing a large producer batch
+    # trips that warning many times a second, with nothing for a user to do.
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     if config_file:
         file_values = load_toml(config_file)
         ctx.default_map = {k: v for k, v in file_values.items() if isinstance(v, dict)}
