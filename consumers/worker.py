@@ -15,7 +15,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
@@ -36,6 +37,7 @@ from sinks.layout import written_high_offsets
 from sinks.parquet import ParquetSink
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _POLL_TICK_MS = 100
 _END_CHECK_INTERVAL_S = 1.0
@@ -317,11 +319,7 @@ class Worker:
     def _collect_published(self) -> None:
         assert self._committer is not None
         opened: list[float] = []
-        while True:
-            try:
-                published = self._done_q.get_nowait()
-            except queue.Empty:
-                break
+        for published in _take_all(self._done_q):
             self._committer.add(published)
             self._account(published)
             opened.append(published.opened_at)
@@ -408,17 +406,9 @@ class Worker:
 
     def _apply_rebalance_effects(self) -> None:
         assert self._committer is not None
-        while True:
-            try:
-                revoked = self._revoked_q.get_nowait()
-            except queue.Empty:
-                break
+        for revoked in _take_all(self._revoked_q):
             self.batcher.drop(revoked)
-        while True:
-            try:
-                positions = self._assigned_positions.get_nowait()
-            except queue.Empty:
-                break
+        for positions in _take_all(self._assigned_positions):
             for key, (offset, epoch) in positions.items():
                 self._committer.add_position(key, offset, epoch)
 
@@ -499,6 +489,15 @@ class Worker:
             self.index.sync()
             if self.index.meta is not None:
                 self.metrics.index_vectors.set(self.index.meta.count)
+
+
+def _take_all(source: queue.Queue[T]) -> Iterator[T]:
+    """What a queue holds now, without waiting."""
+    while True:
+        try:
+            yield source.get_nowait()
+        except queue.Empty:
+            return
 
 
 def run_worker(
