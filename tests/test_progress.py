@@ -1,0 +1,54 @@
+"""Progress lines: rate and ETA on a terminal, periodic log lines otherwise."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from pipeline import progress as progress_module
+from pipeline.progress import Progress, format_duration
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_format_duration() -> None:
+    assert format_duration(None) == "--:--"
+    assert format_duration(65) == "01:05"
+    assert format_duration(3725) == "1:02:05"
+
+
+def test_terminal_bar_shows_share_rate_and_eta(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = _Tty()
+    bar = Progress("embedding", 1000, stream=stream)
+    now[0] += 10
+    bar.update(250)  # 25 records/s, 750 left: ETA 30 s
+    out = stream.getvalue()
+    assert out.startswith("\r")
+    assert "250/1,000 records" in out and "25.0%" in out
+    assert "25 records/s" in out and "ETA 00:30" in out
+    bar.close()
+    assert stream.getvalue().endswith("\n")
+
+
+def test_not_a_terminal_logs_periodically(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [0.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    bar = Progress("producing", None, stream=stream, log_every_s=10)
+    with caplog.at_level(logging.INFO, logger="pipeline.progress"):
+        for step in range(1, 31):
+            now[0] = float(step)
+            bar.update(step * 100)
+    assert stream.getvalue() == ""  # no bar drawn into a pipe or a log file
+    lines = [r.getMessage() for r in caplog.records]
+    assert 2 <= len(lines) <= 4  # every 10 s, not every update
+    assert "3,000 records" in lines[-1] and "100 records/s" in lines[-1]
