@@ -132,7 +132,6 @@ class Worker:
         self._progress: Progress | None = None
         self._last_lag_update = 0.0
         self._admin: Any = None
-        self._start_committed: dict[TopicPartition, int] = {}
         # The revoke wait runs on kafka-python's IO thread and holds up heartbeats:
         # keep it well inside both the session timeout and the rebalance timeout.
         self._revoke_timeout_s = min(
@@ -177,8 +176,7 @@ class Worker:
         if cfg.until_end:
             with cluster.offsets_consumer(cfg.kafka) as reader:
                 self._end_targets = cluster.end_offsets(reader, partitions)
-            self._start_committed = cluster.group_offsets(self._admin, cfg.group)
-            remaining = self._group_remaining(self._start_committed)
+            remaining = self._group_remaining(cluster.group_offsets(self._admin, cfg.group))
             log.info(
                 "bulk mode: %d records to the end of %d partition(s)", remaining, len(partitions)
             )
@@ -426,9 +424,9 @@ class Worker:
     def _group_committed(self) -> dict[TopicPartition, int]:
         """The whole group's commits (any worker's), which also drive the progress bar."""
         committed = cluster.group_offsets(self._admin, self.config.group)
-        if self._progress is not None:
-            start = self._group_remaining(self._start_committed)
-            self._progress.update(start - self._group_remaining(committed))
+        if self._progress is not None and self._progress.total is not None:
+            # The bar's total is what remained at start.
+            self._progress.update(self._progress.total - self._group_remaining(committed))
         return committed
 
     # -- shutdown ------------------------------------------------------------------
