@@ -96,6 +96,14 @@ class EmbedStage(Stage):
     def handle(self, item: object) -> None:
         assert isinstance(item, MicroBatch)
         vectors, stats = self.embedder.embed_tokens(item.tokenized())
+        log.debug(
+            "batch %d: %d records embedded in %.3fs (%d passes, padding efficiency %.3f)",
+            item.number,
+            len(item.good),
+            stats.seconds,
+            stats.forward_passes,
+            stats.padding_efficiency,
+        )
         if item.good:
             self.metrics.embed_seconds.observe(stats.seconds)
             self.metrics.padding_efficiency.set(stats.padding_efficiency)
@@ -135,7 +143,9 @@ class WriteStage(Stage):
         assert isinstance(item, EmbeddedBatch)
         started = time.perf_counter()
         published = self.write(item)
-        self.metrics.write_seconds.observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.write_seconds.observe(seconds)
+        log.debug("batch %d: %d rows published in %.3fs", published.number, published.rows, seconds)
         self._dirty = self._dirty or published.rows > 0
         self.in_flight.finished(item.batch.number)
         self.put(self.done, published)

@@ -24,7 +24,7 @@ from kafka.errors import KafkaError
 from consumers.committer import OffsetCommitter, Ownership, PublishedBatch
 from consumers.stages import EmbedStage, InFlight, Stage, WriteStage
 from pipeline import cluster
-from pipeline.batcher import Batcher, MicroBatch, TopicPartitionKey
+from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from pipeline.config import WorkerConfig
 from pipeline.embedder import Embedder
 from pipeline.errors import PipelineError
@@ -246,6 +246,12 @@ class Worker:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = time.monotonic()
                 self._ingest(polled)
+            if self.batcher.pending and self._caught_up(empty_poll=not polled, timeout=timeout):
+                # The open batch holds all there is to read for now: waiting for
+                # it to fill would only add latency.
+                batch = self.batcher.flush(CloseReason.CAUGHT_UP)
+                assert batch is not None
+                self._hand_off(batch)
             due = self.batcher.due()
             if due is not None:
                 self._hand_off(due)
@@ -258,6 +264,34 @@ class Worker:
                     log.info("bulk mode: the group's committed offsets reached the end")
                     return
         log.info("shutdown requested: finishing the batches in flight")
+
+    def _caught_up(self, empty_poll: bool, timeout: int) -> bool:
+        """Whether every partition read here has nothing more to fetch right now.
+
+        Either a full-length poll came back empty, or each partition's position
+        has reached its high watermark (known once a fetch for it returned).
+        Paused partitions may hold more, so nothing is caught up while any is.
+        """
+        assert self._consumer is not None
+        if self._paused:
+            return False
+        if empty_poll:
+            return timeout >= _POLL_TICK_MS
+        assignment = self._consumer.assignment()
+        if not assignment:
+            return False
+        for tp in assignment:
+            highwater = self._consumer.highwater(tp)
+            if highwater is None:
+                return False
+            try:
+                # Known positions are answered locally; an unknown one is not waited for.
+                position = self._consumer.position(tp, timeout_ms=0)
+            except KafkaError:
+                return False
+            if position is None or position < highwater:
+                return False
+        return True
 
     def _poll_timeout_ms(self) -> int:
         until_due = self.batcher.seconds_until_due()
@@ -289,6 +323,9 @@ class Worker:
         if not len(batch):
             return
         self.in_flight.started(batch)
+        reason = batch.closed_by.value if batch.closed_by else "unknown"
+        log.debug("batch %d: closed (%s) with %d records", batch.number, reason, len(batch))
+        self.metrics.batches_closed.labels(reason).inc()
         self.metrics.in_flight.set(len(self.in_flight))
         self.metrics.batch_records.observe(len(batch))
         while True:
@@ -433,7 +470,7 @@ class Worker:
 
     def _drain(self, timeout_s: float) -> None:
         """Hands off the open batch and waits (bounded) for everything to be committed."""
-        batch = self.batcher.flush()
+        batch = self.batcher.flush(CloseReason.SHUTDOWN)
         if batch is not None:
             self._hand_off(batch)
         deadline = time.monotonic() + timeout_s

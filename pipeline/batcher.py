@@ -1,5 +1,7 @@
 """Micro-batching: records accumulate until a batch is full by count, by tokens,
-or old enough, whichever comes first.
+or old enough, whichever comes first; the poll loop also closes a batch early
+once the consumer has caught up (`flush(CloseReason.CAUGHT_UP)`), since waiting
+for records that are not there only adds latency.
 
 A batch also records which offsets of which partitions it covers (bad records
 included) and the assignment epoch each partition had when its records were
@@ -8,6 +10,7 @@ polled, so that the committer can tell a batch of a partition since revoked.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -22,6 +25,14 @@ TopicPartitionKey = tuple[str, int]
 _batch_numbers = itertools.count(1)
 
 
+class CloseReason(enum.Enum):
+    RECORDS = "records"  # --batch-size reached
+    TOKENS = "tokens"  # --max-batch-tokens reached
+    AGE = "age"  # --poll-timeout-ms after its first record
+    CAUGHT_UP = "caught_up"  # a poll found nothing more to read
+    SHUTDOWN = "shutdown"  # handed off as the worker drains
+
+
 @dataclass
 class MicroBatch:
     good: list[GoodRecord] = field(default_factory=list)
@@ -33,6 +44,7 @@ class MicroBatch:
     epochs: dict[TopicPartitionKey, int] = field(default_factory=dict)
     opened_at: float = 0.0
     closed_at: float = 0.0
+    closed_by: CloseReason | None = None
     number: int = field(default_factory=lambda: next(_batch_numbers))
 
     def __len__(self) -> int:
@@ -63,6 +75,7 @@ class MicroBatch:
             epochs={k: v for k, v in self.epochs.items() if k not in dropped},
             opened_at=self.opened_at,
             closed_at=self.closed_at,
+            closed_by=self.closed_by,
             number=self.number,
         )
 
@@ -102,7 +115,7 @@ class Batcher:
             n_tokens = len(ids) if ids is not None else 0
             batch = self._open
             if batch is not None and batch.good and batch.tokens + n_tokens > self.max_tokens:
-                closed.append(self._close())
+                closed.append(self._close(CloseReason.TOKENS))
             batch = self._ensure_open()
             key = _key(record)
             batch.cover(key, record.source.offset, epoch_of(key))
@@ -113,14 +126,16 @@ class Batcher:
                 batch.tokens += n_tokens
             else:
                 batch.bad.append(record)
-            if len(batch) >= self.max_records or batch.tokens >= self.max_tokens:
-                closed.append(self._close())
+            if len(batch) >= self.max_records:
+                closed.append(self._close(CloseReason.RECORDS))
+            elif batch.tokens >= self.max_tokens:
+                closed.append(self._close(CloseReason.TOKENS))
         return closed
 
     def due(self) -> MicroBatch | None:
         """The open batch, closed, if its first record has waited long enough."""
         if self._open is not None and self._clock() - self._open.opened_at >= self.max_wait_s:
-            return self._close()
+            return self._close(CloseReason.AGE)
         return None
 
     def seconds_until_due(self) -> float | None:
@@ -128,8 +143,9 @@ class Batcher:
             return None
         return max(0.0, self.max_wait_s - (self._clock() - self._open.opened_at))
 
-    def flush(self) -> MicroBatch | None:
-        return self._close() if self._open is not None else None
+    def flush(self, reason: CloseReason) -> MicroBatch | None:
+        """The open batch, closed now, if there is one."""
+        return self._close(reason) if self._open is not None else None
 
     def drop(self, partitions: set[TopicPartitionKey]) -> None:
         """Forgets open records of revoked partitions (they will be consumed again)."""
@@ -143,9 +159,10 @@ class Batcher:
             self._open = MicroBatch(opened_at=self._clock())
         return self._open
 
-    def _close(self) -> MicroBatch:
+    def _close(self, reason: CloseReason) -> MicroBatch:
         batch = self._open
         assert batch is not None
         batch.closed_at = self._clock()
+        batch.closed_by = reason
         self._open = None
         return batch

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -31,6 +31,10 @@ from pipeline.config import (
     load_toml,
 )
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.host import call_on_fresh_thread, keep_freed_memory
+
+if TYPE_CHECKING:
+    from pipeline.embedder import Embedder
 
 log = logging.getLogger("pipeline")
 
@@ -249,38 +253,36 @@ def produce(
 # -- run ------------------------------------------------------------------------------
 
 
+def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
+    """An option whose default is WorkerConfig's: --help and the configuration agree."""
+    name = flag.lstrip("-").replace("-", "_")
+    default = WorkerConfig.__dataclass_fields__[name].default
+    return env_option(flag, default=default, show_default=True, **kwargs)
+
+
 @main.command()
 @env_option("--topic", "topic", multiple=True, required=True, help="Input topic (repeatable).")
 @env_option("--group", required=True, help="Consumer group id.")
 @env_option("--output", required=True, type=click.Path(file_okay=False, path_type=Path))
-@env_option("--batch-size", type=int, default=1024, show_default=True)
-@env_option("--poll-timeout-ms", type=int, default=500, show_default=True)
-@env_option("--max-batch-tokens", type=int, default=65_536, show_default=True)
-@env_option(
-    "--sub-batch-tokens",
-    type=int,
-    default=8_192,
-    show_default=True,
-    help="Padded tokens per forward pass.",
-)
-@env_option("--max-in-flight", type=int, default=2, show_default=True)
-@env_option("--precision", type=click.Choice(PRECISIONS), default="auto", show_default=True)
-@env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@env_option(
-    "--model",
-    default="default",
-    show_default=True,
-    help="'default' (the packaged all-MiniLM-L6-v2), a local directory or a hub id.",
+@_run_option("--batch-size", type=int)
+@_run_option("--poll-timeout-ms", type=int)
+@_run_option("--max-batch-tokens", type=int)
+@_run_option("--sub-batch-tokens", type=int, help="Padded tokens per forward pass.")
+@_run_option("--max-in-flight", type=int)
+@_run_option("--precision", type=click.Choice(PRECISIONS))
+@_run_option("--device", type=click.Choice(DEVICES))
+@_run_option(
+    "--model", help="'default' (the packaged all-MiniLM-L6-v2), a local directory or a hub id."
 )
 @env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
-@env_option("--text-field", default="text", show_default=True)
-@env_option("--id-field", default="id", show_default=True)
-@env_option("--max-text-bytes", type=int, default=65_536, show_default=True)
+@_run_option("--text-field")
+@_run_option("--id-field")
+@_run_option("--max-text-bytes", type=int)
 @env_option("--until-end", is_flag=True, help="Bulk mode: exit 0 at the end offsets at start.")
-@env_option("--max-poll-interval-ms", type=int, default=300_000, show_default=True)
-@env_option("--session-timeout-ms", type=int, default=45_000, show_default=True)
-@env_option("--index-sync-interval-s", type=float, default=30.0, show_default=True)
-@env_option("--shutdown-timeout-s", type=float, default=60.0, show_default=True)
+@_run_option("--max-poll-interval-ms", type=int)
+@_run_option("--session-timeout-ms", type=int)
+@_run_option("--index-sync-interval-s", type=float)
+@_run_option("--shutdown-timeout-s", type=float)
 @env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
 @env_option("--progress/--no-progress", default=True, show_default=True)
 @env_option(
@@ -301,27 +303,35 @@ def _run_worker(config: WorkerConfig) -> None:
     # tokenizer would only contend with them for the same cores (measured: -8%).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from consumers.worker import run_worker
-    from pipeline.embedder import Embedder
     from pipeline.metrics import WorkerMetrics
-    from pipeline.precision import resolve_precision
 
     log.info("configuration: %s", json.dumps(config.redacted(), sort_keys=True))
     _check_cluster(config)  # fail fast, before the seconds a model load takes
     shutdown = threading.Event()
     _install_signal_handlers(shutdown)
-    precision = config.precision
-    if precision == "auto":
-        from pipeline.corpus import sample_texts
-
-        precision = resolve_precision(config.model, config.device, "auto", sample_texts(256))
-    embedder = Embedder.load(config.model, precision, config.device, config.sub_batch_tokens)
     _set_torch_threads(config)
+    keep_freed_memory()
+    # Loaded on a thread that exits: only the embed stage's thread keeps an
+    # OpenMP team (see pipeline.host).
+    embedder = call_on_fresh_thread(lambda: _load_model(config), name="model-load")
     metrics = WorkerMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.metrics_port)
         log.info("metrics on http://0.0.0.0:%d/metrics", config.metrics_port)
     summary = run_worker(config, embedder, shutdown, metrics)
     click.echo(f"done: {summary}", err=True)
+
+
+def _load_model(config: WorkerConfig) -> Embedder:
+    from pipeline.embedder import Embedder
+    from pipeline.precision import resolve_precision
+
+    precision = config.precision
+    if precision == "auto":
+        from pipeline.corpus import sample_texts
+
+        precision = resolve_precision(config.model, config.device, "auto", sample_texts(256))
+    return Embedder.load(config.model, precision, config.device, config.sub_batch_tokens)
 
 
 def _check_cluster(config: WorkerConfig) -> None:
@@ -474,6 +484,7 @@ def model_check(
     from pipeline.corpus import sample_texts
     from pipeline.precision import Gate, check_precisions, choose, remember
 
+    keep_freed_memory()  # texts/s as `pipeline run` would see them
     gate = Gate(min_cosine, min_recall)
     reports = check_precisions(model, device, sample_texts(samples), list(precisions) or None, gate)
     remember(model, reports[0].device, gate, reports)

@@ -97,9 +97,11 @@ class WorkerConfig:
     group: str
     output: Path
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
-    batch_size: int = 1024
+    # Large batches sort better (fewer, fuller forward passes); they only fill
+    # under a backlog, as a batch closes as soon as the worker has caught up.
+    batch_size: int = 4096
     poll_timeout_ms: int = 500
-    max_batch_tokens: int = 65_536
+    max_batch_tokens: int = 262_144
     # Padded tokens (longest x count) per forward pass; bounds activation memory.
     sub_batch_tokens: int = 8_192
     max_in_flight: int = 2

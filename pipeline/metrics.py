@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_SIZE_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-_TOKEN_BUCKETS = (64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072)
+_SIZE_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_TOKEN_BUCKETS = (64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288)
 
 
 class WorkerMetrics:
@@ -17,6 +17,13 @@ class WorkerMetrics:
             "pipeline_records", "Records processed, by outcome", ["outcome"], registry=r
         )
         self.batches = Counter("pipeline_batches", "Micro-batches committed", registry=r)
+        self.batches_closed = Counter(
+            "pipeline_batches_closed",
+            "Micro-batches handed to the embed stage, by what closed them "
+            "(records, tokens, age, caught_up, shutdown)",
+            ["reason"],
+            registry=r,
+        )
         self.batch_records = Histogram(
             "pipeline_batch_records", "Records per micro-batch", buckets=_SIZE_BUCKETS, registry=r
         )

@@ -20,10 +20,13 @@ It then prints the ratios d/a, d/b, d/c beside their targets, the padding effici
 precision gate. Timings of (a) to (c) run with the same torch thread count.
 
     .venv/bin/python scripts/bench.py [--records 3000] [--precision auto] [--device auto]
-        [--batch-size 256] [--partitions 3] [--json results.json] [--keep]
+        [--batch-size 4096] [--partitions 3] [--json results.json] [--keep]
 
-(a) to (c) run on a fresh thread with `--threads` torch threads (default: all cores),
-as (d) runs its forward passes on its embed-stage thread (see `call_in_thread`).
+Each of (a) to (c) loads its model and runs on one fresh thread, as `pipeline run`
+loads its model on a thread that exits and embeds on its embed-stage thread: one
+OpenMP team at a time, so none pays throttled spin-waits (see pipeline.host).
+(a) runs right before (d), so that the two rates the headline ratio divides are
+measured minutes apart at most, on a machine whose speed drifts.
 (d)'s output goes to `pipeline-run.log` in the temp dir (kept with --keep).
 A 3000-record run on CPU takes several minutes. Exits 0 once everything was measured,
 whether or not the targets were met; 1 when a variant failed (or (d) passed --timeout).
@@ -40,19 +43,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from pipeline.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings
+from pipeline.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
 from pipeline.embedder import Embedder, pick_device, read_sentence_config, resolve_model_path
 from pipeline.errors import PipelineError
+from pipeline.host import call_on_fresh_thread, keep_freed_memory
 from pipeline.precision import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_RECALL,
@@ -61,7 +63,6 @@ from pipeline.precision import (
     resolve_precision,
 )
 
-T = TypeVar("T")
 NAIVE_BATCH = 32
 ST_BATCH = 32
 WARMUP_TEXTS = 32
@@ -175,7 +176,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=PRECISIONS, default="auto")
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--model", default="default", help="as `pipeline run --model`")
-    parser.add_argument("--batch-size", type=int, default=256, help="(d)'s --batch-size")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=WorkerConfig.__dataclass_fields__["batch_size"].default,
+        help="(d)'s --batch-size (default: pipeline run's)",
+    )
     parser.add_argument("--partitions", type=int, default=3, help="of the fresh topic")
     parser.add_argument(
         "--bootstrap-servers",
@@ -190,12 +196,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=os.cpu_count() or 1,
         help="torch threads for (a)-(c) (default: all cores; (d) sets its own)",
-    )
-    parser.add_argument(
-        "--main-thread",
-        action="store_true",
-        help="time (a)-(c) on the main thread (default: on a fresh thread, like (d)'s "
-        "embed stage; libgomp waits differently there on a busy machine)",
     )
     parser.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds (d) may take before it is killed"
@@ -257,35 +257,6 @@ def resolve(args: argparse.Namespace) -> tuple[str, str]:
     device = pick_device(args.device)
     precision = resolve_precision(args.model, device, args.precision, sample_texts(256))
     return device, precision
-
-
-def call_directly(fn: Callable[[], T]) -> T:
-    return fn()
-
-
-def call_in_thread(fn: Callable[[], T]) -> T:
-    """Runs fn on a fresh thread, as (d) runs its forward passes on its embed-stage thread.
-
-    It matters on a busy machine: libgomp spins actively in a thread team while the
-    threads it manages fit the cores, and yields when they do not. The main thread's
-    team alone fits; a second team on another thread does not, so (d)'s embed stage
-    waits politely while a main-thread loop spins against other processes' work
-    (10x slower here with the CPUs shared). Same call, same thread count, one footing.
-    """
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # handed to the caller below
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="bench-variant")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 # -- Kafka ----------------------------------------------------------------------------
@@ -353,13 +324,14 @@ def delete_kafka_state(kafka: KafkaSettings, topics: list[str], groups: list[str
 # -- (a) raw model and (b) sentence-transformers ---------------------------------------
 
 
-def bench_raw(embedder: Embedder, texts: list[str]) -> tuple[Rate, np.ndarray]:
+def bench_raw(embedder: Embedder, texts: list[str]) -> Rate:
     embedder.embed_tokens(embedder.tokenize(texts[:WARMUP_TEXTS]))
     started = time.perf_counter()
     vectors, _ = embedder.embed_tokens(embedder.tokenize(texts))
     seconds = time.perf_counter() - started
+    del vectors
     name = f"(a) raw model: Embedder {embedder.info.precision}, length-sorted passes"
-    return Rate.timed("a", name, len(texts), seconds), vectors
+    return Rate.timed("a", name, len(texts), seconds)
 
 
 def bench_sentence_transformers(
@@ -741,11 +713,14 @@ def run_all(args: argparse.Namespace, workdir: Path, kafka: KafkaSettings) -> Re
 
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    keep_freed_memory()  # as `pipeline run` does: every variant on the same footing
     setup_note = load_note()
-    device, precision = resolve(args)
+    # No torch work on this thread: each variant's OpenMP team comes and goes with
+    # the fresh thread it runs on (see pipeline.host).
+    device, precision = call_on_fresh_thread(lambda: resolve(args))
     model_name, model_dir = resolve_model_path(args.model)
     texts, ids = make_texts(args.records), make_ids(args.records)
-    embedder = Embedder.load(args.model, precision, device)
+    embedder = call_on_fresh_thread(lambda: Embedder.load(args.model, precision, device))
     lengths = embedder.tokenize(texts).lengths
     setup = describe_setup(args, texts, lengths, device, precision, threads, model_name)
     setup["load_before"] = setup_note
@@ -776,19 +751,25 @@ def measure(
 ) -> None:
     setup = results.setup
     topic, (naive_group, pipeline_group) = setup["topic"], setup["groups"]
-    run_here = call_directly if args.main_thread else call_in_thread
-    say("(a) raw model")
-    rate_a, _ = run_here(lambda: bench_raw(embedder, texts))
     say("(b) sentence-transformers")
-    rate_b, reference = run_here(
+    rate_b, reference = call_on_fresh_thread(
         lambda: bench_sentence_transformers(model_dir, setup["device"], texts)
     )
     say("(c) naive consumer")
-    naive = NaiveModel(model_dir, setup["device"])
     warmup = texts[:WARMUP_TEXTS]
-    rate_c, naive_padding = run_here(
-        lambda: bench_naive(kafka, topic, naive_group, naive, len(texts), workdir / "naive", warmup)
+    rate_c, naive_padding = call_on_fresh_thread(
+        lambda: bench_naive(
+            kafka,
+            topic,
+            naive_group,
+            NaiveModel(model_dir, setup["device"]),
+            len(texts),
+            workdir / "naive",
+            warmup,
+        )
     )
+    say("(a) raw model")
+    rate_a = call_on_fresh_thread(lambda: bench_raw(embedder, texts))
     say("(d) pipeline run --until-end")
     output = workdir / "pipeline"
     command = pipeline_command(

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from pipeline.batcher import Batcher, MicroBatch
+from pipeline.batcher import Batcher, CloseReason, MicroBatch
 from pipeline.records import BadRecord, GoodRecord, SourceRecord
 
 Item = tuple[GoodRecord | BadRecord, list[int] | None]
@@ -61,10 +61,12 @@ def test_closes_on_record_count() -> None:
     batcher, _ = make(max_records=3)
     closed = add_all(batcher, [good(i) for i in range(7)])
     assert [offsets(b) for b in closed] == [[0, 1, 2], [3, 4, 5]]
+    assert {b.closed_by for b in closed} == {CloseReason.RECORDS}
     assert batcher.pending == 1
-    rest = batcher.flush()
+    rest = batcher.flush(CloseReason.CAUGHT_UP)
     assert rest is not None and offsets(rest) == [6]
-    assert batcher.flush() is None
+    assert rest.closed_by is CloseReason.CAUGHT_UP
+    assert batcher.flush(CloseReason.SHUTDOWN) is None
 
 
 def test_bad_records_count_toward_record_count() -> None:
@@ -83,6 +85,7 @@ def test_closes_before_token_budget_would_be_exceeded() -> None:
     assert len(closed) == 1
     assert offsets(closed[0]) == [0, 1]
     assert closed[0].tokens == 8
+    assert closed[0].closed_by is CloseReason.TOKENS
     assert batcher.pending == 1
 
 
@@ -111,7 +114,7 @@ def test_token_budget_never_exceeded_except_by_a_single_record() -> None:
         else:
             items.append(good(offset, rng.choice([1, 5, 17, 40, 63, 64, 65, 90])))
     closed = add_all(batcher, items)
-    rest = batcher.flush()
+    rest = batcher.flush(CloseReason.SHUTDOWN)
     batches = closed + ([rest] if rest else [])
     for batch in batches:
         assert batch.tokens == sum(len(ids) for ids in batch.token_ids)
@@ -141,6 +144,7 @@ def test_closes_on_age_of_first_record() -> None:
     assert batch is not None and offsets(batch) == [0, 1]
     assert batch.opened_at == 1000.0
     assert batch.closed_at == pytest.approx(1000.5)
+    assert batch.closed_by is CloseReason.AGE
     assert batcher.pending == 0
     assert batcher.due() is None
 
@@ -169,7 +173,7 @@ def test_batch_numbers_increase() -> None:
 def test_tokenized_matches_good_records() -> None:
     batcher, _ = make()
     add_all(batcher, [good(0, 3), bad(1), good(2, 5)])
-    batch = batcher.flush()
+    batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None
     tokens = batch.tokenized()
     assert len(tokens) == 2
@@ -187,7 +191,7 @@ def test_ranges_cover_first_and_last_offset_per_partition_including_bad() -> Non
         batcher,
         [bad(4, 0), good(5, 2, 0), good(20, 2, 1), bad(6, 0), bad(21, 1), good(3, 1, 2, "u")],
     )
-    batch = batcher.flush()
+    batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None
     assert batch.ranges == {("t", 0): [4, 6], ("t", 1): [20, 21], ("u", 2): [3, 3]}
 
@@ -195,7 +199,7 @@ def test_ranges_cover_first_and_last_offset_per_partition_including_bad() -> Non
 def test_partition_with_only_bad_records_has_a_range() -> None:
     batcher, _ = make()
     add_all(batcher, [bad(8, 1), bad(9, 1)])
-    batch = batcher.flush()
+    batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None
     assert batch.ranges == {("t", 1): [8, 9]}
     assert batch.good == [] and batch.tokens == 0
@@ -217,7 +221,7 @@ def test_epochs_captured_per_partition_via_epoch_of() -> None:
     # after a reassignment the next batch carries the new epoch
     epochs[("t", 0)] = 4
     batcher.add([good(2, 1, 0)], epoch_of)
-    batch = batcher.flush()
+    batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None and batch.epochs == {("t", 0): 4}
 
 
@@ -229,7 +233,7 @@ def test_drop_forgets_open_records_of_revoked_partitions() -> None:
     add_all(batcher, [good(0, 2, 0), good(0, 3, 1), bad(1, 1), good(1, 4, 0), bad(2, 0)])
     batcher.drop({("t", 1)})
     assert batcher.pending == 3
-    batch = batcher.flush()
+    batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None
     assert {(r.source.partition, r.source.offset) for r in batch.good} == {(0, 0), (0, 1)}
     assert [(r.source.partition, r.source.offset) for r in batch.bad] == [(0, 2)]
@@ -246,7 +250,7 @@ def test_drop_of_every_open_partition_leaves_nothing_open() -> None:
     assert batcher.pending == 0
     clock.now += 1
     assert batcher.due() is None
-    assert batcher.flush() is None
+    assert batcher.flush(CloseReason.SHUTDOWN) is None
 
 
 def test_drop_of_unrelated_or_no_partitions_changes_nothing() -> None:
@@ -254,14 +258,14 @@ def test_drop_of_unrelated_or_no_partitions_changes_nothing() -> None:
     add_all(batcher, [good(0, 2, 0), good(1, 2, 0)])
     batcher.drop(set())
     batcher.drop({("other", 0)})
-    batch = batcher.flush()
+    batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None and offsets(batch) == [0, 1] and batch.tokens == 4
 
 
 def test_without_is_a_copy_and_keeps_token_ids_aligned() -> None:
     batcher, _ = make()
     add_all(batcher, [good(0, 1, 0), good(0, 2, 1), good(1, 3, 0), bad(1, 1), good(2, 4, 1)])
-    batch = batcher.flush()
+    batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None
     kept = batch.without({("t", 0)})
     for record, ids in zip(kept.good, kept.token_ids, strict=True):

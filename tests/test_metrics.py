@@ -127,6 +127,11 @@ def check_counters(samples: Samples) -> None:
     batches = value(samples, "pipeline_batches_total")
     assert batches is not None
     assert (GOOD + len(BAD_VALUES)) / 32 <= batches <= GOOD + len(BAD_VALUES)
+    closed = {
+        dict(k)["reason"]: v for k, v in series(samples, "pipeline_batches_closed_total").items()
+    }
+    assert set(closed) <= {"records", "tokens", "age", "caught_up", "shutdown"}, closed
+    assert sum(closed.values()) == batches  # every batch handed off was committed
 
 
 def check_histograms(samples: Samples) -> None:

@@ -75,6 +75,37 @@ def test_until_end_embeds_every_record_once_and_commits(broker, make_topic, grou
     assert meta[b"embedding.dim"] == b"384"
 
 
+def _wait_for_commits(broker: str, group: str, topic: str, total: int, timeout_s: float) -> float:
+    """Seconds until the group's commits on the topic sum to total."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if sum(v or 0 for v in committed_offsets(broker, group, topic).values()) == total:
+            return time.monotonic() - started
+        time.sleep(0.2)
+    pytest.fail(f"commits did not reach {total} within {timeout_s:.0f}s")
+
+
+def test_a_trickle_is_committed_without_waiting_for_a_full_batch_or_the_poll_timeout(
+    broker, make_topic, group_id, tmp_path
+):
+    topic = make_topic(partitions=2)
+    out = tmp_path / "out"
+    log = tmp_path / "worker.log"
+    # Neither a full batch nor the poll timeout can close these batches: only
+    # catching up with the partitions can.
+    slow_close = ("--batch-size", "4096", "--poll-timeout-ms", "600000")
+    worker = start_worker(broker, topic, group_id, out, *slow_close, log=log)
+    try:
+        publish_json(broker, topic, corpus_records(6), partitions=2)
+        _wait_for_commits(broker, group_id, topic, 6, timeout_s=120)  # includes model load
+        publish_json(broker, topic, corpus_records(4, seed=1), partitions=2)
+        steady = _wait_for_commits(broker, group_id, topic, 10, timeout_s=60)
+    finally:
+        assert stop(worker) == 0, log.read_text()[-3000:]
+    assert steady < 30, f"a warm worker took {steady:.1f}s to commit 4 records"
+    _assert_exactly_once(broker, topic, out)
+
+
 BAD_VALUES: list[tuple[str, bytes | None]] = [
     ("InvalidUtf8", b"\xff\xfe not utf-8"),
     ("InvalidJson", b'{"text": "unterminated'),
