@@ -342,21 +342,15 @@ def bench_raw_in_fresh_process(args: argparse.Namespace, precision: str, device:
     The bench process has by then grown its heap and warmed its caches on two
     other models, which (a) measured here would inherit and (d) cannot.
     """
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--raw-only",
-        "--records",
-        str(args.records),
-        "--precision",
-        precision,
-        "--device",
-        device,
-        "--model",
-        args.model,
-        "--threads",
-        str(args.threads),
-    ]
+    options = {
+        "--records": str(args.records),
+        "--precision": precision,
+        "--device": device,
+        "--model": args.model,
+        "--threads": str(args.threads),
+    }
+    command = [sys.executable, str(Path(__file__).resolve()), "--raw-only"]
+    command += [word for pair in options.items() for word in pair]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")  # as `pipeline run` sets it
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
