@@ -31,7 +31,7 @@ from pipeline.config import (
     load_toml,
 )
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.host import call_on_fresh_thread, keep_freed_memory
+from pipeline.host import call_on_fresh_thread
 
 if TYPE_CHECKING:
     from pipeline.embedder import Embedder
@@ -310,7 +310,6 @@ def _run_worker(config: WorkerConfig) -> None:
     shutdown = threading.Event()
     _install_signal_handlers(shutdown)
     _set_torch_threads(config)
-    keep_freed_memory()
     # Loaded on a thread that exits: only the embed stage's thread keeps an
     # OpenMP team (see pipeline.host).
     embedder = call_on_fresh_thread(lambda: _load_model(config), name="model-load")
@@ -484,7 +483,6 @@ def model_check(
     from pipeline.corpus import sample_texts
     from pipeline.precision import Gate, check_precisions, choose, remember
 
-    keep_freed_memory()  # texts/s as `pipeline run` would see them
     gate = Gate(min_cosine, min_recall)
     reports = check_precisions(model, device, sample_texts(samples), list(precisions) or None, gate)
     remember(model, reports[0].device, gate, reports)

@@ -57,7 +57,7 @@ import numpy as np
 from pipeline.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
 from pipeline.embedder import Embedder, pick_device, read_sentence_config, resolve_model_path
 from pipeline.errors import PipelineError
-from pipeline.host import call_on_fresh_thread, keep_freed_memory
+from pipeline.host import call_on_fresh_thread
 from pipeline.precision import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_RECALL,
@@ -365,7 +365,6 @@ def raw_only(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
     texts = make_texts(args.records)
 
     def load_and_time() -> float:
@@ -754,7 +753,6 @@ def run_all(args: argparse.Namespace, workdir: Path, kafka: KafkaSettings) -> Re
 
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    keep_freed_memory()  # as `pipeline run` does: every variant on the same footing
     setup_note = load_note()
     # No torch work on this thread: each variant's OpenMP team comes and goes with
     # the fresh thread it runs on (see pipeline.host).

@@ -1,4 +1,4 @@
-"""pipeline.host: calls on a fresh thread, and glibc keeping freed memory."""
+"""call_on_fresh_thread: the result or the exception of a call made on another thread."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from pipeline.errors import ModelError
-from pipeline.host import call_on_fresh_thread, keep_freed_memory
+from pipeline.host import call_on_fresh_thread
 
 
 def test_returns_the_result_of_a_call_made_on_another_thread() -> None:
@@ -28,11 +28,3 @@ def test_the_thread_is_gone_afterwards() -> None:
     before = threading.active_count()
     call_on_fresh_thread(lambda: None)
     assert threading.active_count() == before
-
-
-def test_keep_freed_memory_takes_effect_on_glibc() -> None:
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("not glibc")
-    assert keep_freed_memory() is True
