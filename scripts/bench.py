@@ -21,7 +21,7 @@ It then prints the ratios d/a, d/b, d/c beside their targets, the padding effici
 precision gate. Timings of (a) to (c) run with the same torch thread count.
 
     .venv/bin/python scripts/bench.py [--records 3000] [--precision auto] [--device auto]
-        [--batch-size 4096] [--partitions 3] [--json results.json] [--keep]
+        [--batch-size 4096] [--partitions 3] [--repeat 1] [--json results.json] [--keep]
 
 Each of (a) to (c) loads its model and runs on one fresh thread, as `pipeline run`
 loads its model on a thread that exits and embeds on its embed-stage thread: one
@@ -30,7 +30,8 @@ OpenMP team at a time, so none pays throttled spin-waits (see pipeline.host).
 measured a minute apart at most, on a machine whose speed drifts; and in a process
 of its own, since the bench process has by then warmed its heap on (b) and (c),
 which made (a) 5-10% faster than any fresh process could be.
-(d)'s output goes to `pipeline-run.log` in the temp dir (kept with --keep).
+(d)'s output goes to `run-N.log` in the temp dir (kept with --keep). With --repeat N,
+(a) and (d) run N rounds, alternating, and the ratios use their medians.
 A 3000-record run on CPU takes several minutes. Exits 0 once everything was measured,
 whether or not the targets were met; 1 when a variant failed (or (d) passed --timeout).
 """
@@ -200,12 +201,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.cpu_count() or 1,
         help="torch threads for (a)-(c) (default: all cores; (d) sets its own)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of (a) then (d); their medians make the ratios (rates drift on a "
+        "shared machine)",
+    )
     parser.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds (d) may take before it is killed"
     )
     args = parser.parse_args(argv)
-    for name in ("records", "batch_size", "partitions", "threads"):
+    for name in ("records", "batch_size", "partitions", "threads", "repeat"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     return args
@@ -509,6 +517,16 @@ class PipelineRun:
     done_line: str
 
 
+def median_rate(rates: list[Rate]) -> Rate:
+    """The run with the median rate (the lower middle one of an even count)."""
+    return sorted(rates, key=lambda r: r.per_s)[(len(rates) - 1) // 2]
+
+
+def median_run(runs: list[PipelineRun]) -> PipelineRun:
+    """The (d) run whose steady rate is the median, as median_rate."""
+    return sorted(runs, key=lambda r: r.steady.per_s)[(len(runs) - 1) // 2]
+
+
 def pipeline_command(
     args: argparse.Namespace, topic: str, group: str, output: Path, device: str, precision: str
 ) -> list[str]:
@@ -686,6 +704,12 @@ def render(results: Results) -> str:
         f"{'variant':<66}{'texts/s':>10}{'seconds':>10}",
     ]
     lines += [f"{r.name:<66}{r.per_s:>10.1f}{r.seconds:>10.2f}" for r in results.rates]
+    rounds = s.get("rounds", {})
+    if len(rounds.get("a", [])) > 1:
+        for key, label in (("a", "(a)"), ("d_steady", "(d) steady"), ("d_wall", "(d) wall")):
+            values = ", ".join(f"{v:.1f}" for v in rounds[key])
+            lines.append(f"  {label} in {len(rounds[key])} rounds: {values}")
+        lines.append("  above: the median (a), and the (d) run with the median steady rate")
     lines += ["", f"{'ratio':<8}{'steady':>8}{'wall':>8}   target   (steady: (d) after model load)"]
     for name, values in results.ratios().items():
         target = RATIO_TARGETS[name]
@@ -766,7 +790,7 @@ def run_all(args: argparse.Namespace, workdir: Path, kafka: KafkaSettings) -> Re
     results = Results(setup)
 
     topic = create_topic(kafka, args.partitions)
-    groups = [f"{topic}-naive", f"{topic}-pipeline"]
+    groups = [f"{topic}-naive", *(f"{topic}-pipeline-{n}" for n in range(args.repeat))]
     setup |= {"topic": topic, "groups": groups, "workdir": str(workdir)}
     try:
         say(f"publishing {len(texts)} records to {topic} ({args.partitions} partitions)")
@@ -789,7 +813,7 @@ def measure(
     workdir: Path,
 ) -> None:
     setup = results.setup
-    topic, (naive_group, pipeline_group) = setup["topic"], setup["groups"]
+    topic, (naive_group, *pipeline_groups) = setup["topic"], setup["groups"]
     say("(b) sentence-transformers")
     rate_b, reference = call_on_fresh_thread(
         lambda: bench_sentence_transformers(model_dir, setup["device"], texts)
@@ -807,19 +831,27 @@ def measure(
             warmup,
         )
     )
-    say("(a) raw model, in a fresh process")
-    rate_a = bench_raw_in_fresh_process(args, setup["precision"], setup["device"])
-    say("(d) pipeline run --until-end")
-    output = workdir / "pipeline"
-    command = pipeline_command(
-        args, topic, pipeline_group, output, setup["device"], setup["precision"]
-    )
-    run = bench_pipeline(command, len(texts), args.timeout, workdir / "pipeline-run.log")
+    rates_a: list[Rate] = []
+    runs: list[PipelineRun] = []
+    for n, group in enumerate(pipeline_groups):
+        round_note = f" (round {n + 1} of {args.repeat})" if args.repeat > 1 else ""
+        say(f"(a) raw model, in a fresh process{round_note}")
+        rates_a.append(bench_raw_in_fresh_process(args, setup["precision"], setup["device"]))
+        say(f"(d) pipeline run --until-end{round_note}")
+        output = workdir / f"pipeline-{n}"
+        command = pipeline_command(args, topic, group, output, setup["device"], setup["precision"])
+        runs.append(bench_pipeline(command, len(texts), args.timeout, workdir / f"run-{n}.log"))
+    run = median_run(runs)
     setup["done_line"] = run.done_line
-    results.rates += [rate_a, rate_b, rate_c, run.steady, run.wall]
+    setup["rounds"] = {
+        "a": [r.per_s for r in rates_a],
+        "d_steady": [r.steady.per_s for r in runs],
+        "d_wall": [r.wall.per_s for r in runs],
+    }
+    results.rates += [median_rate(rates_a), rate_b, rate_c, run.steady, run.wall]
     lengths = embedder.tokenize(texts).lengths
     results.padding += [*policy_padding(embedder, lengths, args.batch_size), naive_padding]
-    results.quality = quality(output, ids, reference)
+    results.quality = quality(workdir / f"pipeline-{runs.index(run)}", ids, reference)
 
 
 def main(argv: list[str] | None = None) -> int:
