@@ -255,8 +255,7 @@ def produce(
 
 def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     """An option whose default is WorkerConfig's: --help and the configuration agree."""
-    name = flag.lstrip("-").replace("-", "_")
-    default = WorkerConfig.__dataclass_fields__[name].default
+    default = WorkerConfig.default_of(flag.lstrip("-").replace("-", "_"))
     return env_option(flag, default=default, show_default=True, **kwargs)
 
 

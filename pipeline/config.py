@@ -152,6 +152,11 @@ class WorkerConfig:
     def dead_letter_topic(self) -> str:
         return self.dlq_topic or f"{self.topics[0]}.dlq"
 
+    @classmethod
+    def default_of(cls, name: str) -> Any:
+        """A field's default, for the CLI's --help and the benchmark's defaults."""
+        return cls.__dataclass_fields__[name].default
+
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as a dict, secrets replaced, for the start-up log."""
         return redact(dataclasses.asdict(self))

@@ -49,9 +49,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -67,6 +68,7 @@ from pipeline.precision import (
     resolve_precision,
 )
 
+T = TypeVar("T")
 NAIVE_BATCH = 32
 ST_BATCH = 32
 WARMUP_TEXTS = 32
@@ -183,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=WorkerConfig.__dataclass_fields__["batch_size"].default,
+        default=WorkerConfig.default_of("batch_size"),
         help="(d)'s --batch-size (default: pipeline run's)",
     )
     parser.add_argument("--partitions", type=int, default=3, help="of the fresh topic")
@@ -517,14 +519,9 @@ class PipelineRun:
     done_line: str
 
 
-def median_rate(rates: list[Rate]) -> Rate:
-    """The run with the median rate (the lower middle one of an even count)."""
-    return sorted(rates, key=lambda r: r.per_s)[(len(rates) - 1) // 2]
-
-
-def median_run(runs: list[PipelineRun]) -> PipelineRun:
-    """The (d) run whose steady rate is the median, as median_rate."""
-    return sorted(runs, key=lambda r: r.steady.per_s)[(len(runs) - 1) // 2]
+def median_by(items: list[T], rate: Callable[[T], float]) -> T:
+    """The item with the median rate (the lower middle one of an even count)."""
+    return sorted(items, key=rate)[(len(items) - 1) // 2]
 
 
 def pipeline_command(
@@ -841,14 +838,14 @@ def measure(
         output = workdir / f"pipeline-{n}"
         command = pipeline_command(args, topic, group, output, setup["device"], setup["precision"])
         runs.append(bench_pipeline(command, len(texts), args.timeout, workdir / f"run-{n}.log"))
-    run = median_run(runs)
+    run = median_by(runs, lambda r: r.steady.per_s)
     setup["done_line"] = run.done_line
     setup["rounds"] = {
         "a": [r.per_s for r in rates_a],
         "d_steady": [r.steady.per_s for r in runs],
         "d_wall": [r.wall.per_s for r in runs],
     }
-    results.rates += [median_rate(rates_a), rate_b, rate_c, run.steady, run.wall]
+    results.rates += [median_by(rates_a, lambda r: r.per_s), rate_b, rate_c, run.steady, run.wall]
     lengths = embedder.tokenize(texts).lengths
     results.padding += [*policy_padding(embedder, lengths, args.batch_size), naive_padding]
     results.quality = quality(workdir / f"pipeline-{runs.index(run)}", ids, reference)
