@@ -2,78 +2,45 @@
 
 For each micro-batch, in batch order:
 
-  1. stage   every (partition, offset range) of the batch is written to a temp
-             Parquet file and fsynced (`ParquetSink.stage`);
+  1. stage   the offset range of each of its partitions is written to a temp
+             Parquet file and fsynced (`ParquetSink.stage`); a range covers
+             every offset the consumer passed, records or not, so that
+             consecutive segments of a partition tile its offsets;
   2. dead-letter  its bad records are sent and flushed (`DeadLetterSink.send`);
-  3. publish the temp files are renamed to their final names and the directory
-             fsynced, but only for partitions this worker still owns in the same
-             assignment epoch as when the records were polled;
+  3. publish each temp file is linked to its final name, create-if-absent, and
+             the directory fsynced, but only for partitions this worker still
+             owns in the epoch its records were polled in (`Ownership.owns`),
+             and only while the group still hears from this worker;
   4. commit  the offset past each published range is committed to Kafka, from
              the consumer thread, again only for partitions still owned.
 
 So an offset is committed only when every record below it is in a published
-Parquet file or acknowledged by the dead-letter topic. A crash between 3 and 4
-leaves files ahead of the committed offset: the output directory, not Kafka, is
-the truth, and `start_positions()` (run when a partition is assigned) starts
-past what is already written, so nothing lands twice.
+segment or acknowledged by the dead-letter topic. The output directory, not
+Kafka, is the truth: a partition is (re)started exactly past what its segments
+cover (`consumers.partitions`), so a crash between 3 and 4 leaves no duplicate.
 
-Revocation and publication exclude each other through `Ownership`'s lock: once
-`revoke()` returns, no file of those partitions will be published by this
-worker, and the new owner can safely read the directory.
+Fencing: a segment's name is its first offset, and publishing is a
+create-if-absent of that name. A worker that stalled past its session timeout
+and comes back still believes it owns its partitions; the new owner started
+where the outputs ended, which is where the stalled worker's next segment
+starts too, so both race for the same name and exactly one wins. The loser
+fences the partition (`Ownership.fence`): nothing more it polled of it is
+published, and it reads the partition again from where the outputs now end.
+Revocation and publication exclude each other through `Ownership.lock`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.batcher import MicroBatch, TopicPartitionKey
-from sinks.layout import SegmentName, written_high_offsets
+from consumers.partitions import Ownership
+from sinks.layout import TopicPartitionKey
 
 log = logging.getLogger(__name__)
-
-
-class Ownership:
-    """Which partitions this worker owns, and since which assignment (epoch)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._epochs: dict[TopicPartitionKey, int] = {}
-        self._next_epoch = 1
-        self._publishing: dict[TopicPartitionKey, int] = {}
-
-    def assign(self, keys: Iterable[TopicPartitionKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._epochs[key] = self._next_epoch
-            self._next_epoch += 1
-
-    def revoke(self, keys: Iterable[TopicPartitionKey]) -> None:
-        """After this returns, nothing more is published for these partitions."""
-        with self._lock:
-            for key in keys:
-                self._epochs.pop(key, None)
-
-    def epoch(self, key: TopicPartitionKey) -> int:
-        with self._lock:
-            return self._epochs.get(key, 0)
-
-    def owned(self) -> set[TopicPartitionKey]:
-        with self._lock:
-            return set(self._epochs)
-
-    def still_owned(self, key: TopicPartitionKey, epoch: int) -> bool:
-        return epoch != 0 and self._epochs.get(key) == epoch
-
-    @property
-    def lock(self) -> threading.Condition:
-        return self._lock
 
 
 @dataclass
@@ -89,74 +56,61 @@ class PublishedBatch:
     opened_at: float = 0.0  # when the batch's first record was polled (monotonic)
 
 
-def segment_names(batch: MicroBatch) -> list[SegmentName]:
-    return [
-        SegmentName(topic, partition, first, last)
-        for (topic, partition), (first, last) in sorted(batch.ranges.items())
-    ]
-
-
 class OffsetCommitter:
     """Commits published offsets; runs on the consumer's thread only."""
 
-    def __init__(self, consumer: object, ownership: Ownership) -> None:
+    def __init__(self, consumer: object, ownership: Ownership, timeout_ms: int = 10_000) -> None:
         self._consumer = consumer
         self._ownership = ownership
+        self._timeout_ms = timeout_ms
         self._pending: dict[TopicPartitionKey, tuple[int, int]] = {}
         self.committed: dict[TopicPartitionKey, int] = {}
         self.failures = 0
+        self.failing_since: float | None = None
 
     def add(self, published: PublishedBatch) -> None:
         for key, offset in published.next_offsets.items():
-            epoch = published.epochs[key]
-            current = self._pending.get(key)
-            if current is None or offset > current[0]:
-                self._pending[key] = (offset, epoch)
+            self.add_position(key, offset, published.epochs[key])
 
     def add_position(self, key: TopicPartitionKey, offset: int, epoch: int) -> None:
-        self._pending[key] = (offset, epoch)
+        """Commits `offset` for `key` on the next commit, if it moves the commit forward."""
+        current = self._pending.get(key)
+        if (current is None or offset > current[0]) and offset > self.committed.get(key, -1):
+            self._pending[key] = (offset, epoch)
+
+    def forget(self, keys: set[TopicPartitionKey]) -> None:
+        """Partitions this worker no longer reads: their next owner commits them."""
+        for key in keys:
+            self._pending.pop(key, None)
+            self.committed.pop(key, None)
 
     @property
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def commit(self, timeout_ms: int = 30_000) -> bool:
+    def commit(self, now: float) -> bool:
         """Commits pending offsets of owned partitions; False when the commit failed."""
         offsets = {}
         with self._ownership.lock:
             for key, (offset, epoch) in list(self._pending.items()):
-                if self._ownership.still_owned(key, epoch):
+                if self._ownership.owns(key, epoch):
                     offsets[TopicPartition(*key)] = OffsetAndMetadata(offset, "", -1)
                 else:
-                    del self._pending[key]  # the new owner starts from the files
+                    del self._pending[key]  # the next owner starts from the outputs
         if not offsets:
             return True
         try:
-            self._consumer.commit(offsets=offsets, timeout_ms=timeout_ms)  # type: ignore[attr-defined]
-        except Exception as exc:  # CommitFailed, RebalanceInProgress, timeouts: retried later
+            self._consumer.commit(offsets=offsets, timeout_ms=self._timeout_ms)  # type: ignore[attr-defined]
+        except Exception as exc:  # CommitFailed, RebalanceInProgress, broker restarts: retried
             self.failures += 1
-            log.warning("offset commit failed (will retry after the rebalance): %s", exc)
+            if self.failing_since is None:
+                self.failing_since = now
+            log.warning("offset commit failed (retrying): %s", exc)
             return False
+        self.failing_since = None
         for tp, meta in offsets.items():
             key = (tp.topic, tp.partition)
             self.committed[key] = meta.offset
             if self._pending.get(key, (None,))[0] == meta.offset:
                 del self._pending[key]
         return True
-
-
-def start_positions(
-    output: Path, committed: dict[TopicPartitionKey, int | None]
-) -> dict[TopicPartitionKey, int]:
-    """Where to resume each assigned partition: past what the output already holds.
-
-    Only partitions whose files run past the committed offset are returned;
-    the others resume at their committed offset as usual.
-    """
-    written = written_high_offsets(output)
-    positions = {}
-    for key, offset in committed.items():
-        last = written.get(key)
-        if last is not None and (offset is None or last + 1 > offset):
-            positions[key] = last + 1
-    return positions

@@ -14,18 +14,21 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from consumers.committer import Ownership, PublishedBatch, segment_names
+from consumers.committer import PublishedBatch
+from consumers.partitions import InFlight, Ownership
 from pipeline.batcher import MicroBatch, TopicPartitionKey
 from pipeline.embedder import Embedder, EmbedStats
 from pipeline.metrics import WorkerMetrics
-from pipeline.records import GoodRecord
+from pipeline.records import BadRecord, GoodRecord
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
+from sinks.layout import SegmentKey
 from sinks.parquet import ParquetSink, StagedFile
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,7 @@ class WriteStage(Stage):
         in_flight: InFlight,
         metrics: WorkerMetrics,
         index_sync_interval_s: float,
+        alive: Callable[[], bool] = lambda: True,
     ) -> None:
         super().__init__("write", inbox, stop)
         self.done = done
@@ -136,6 +140,7 @@ class WriteStage(Stage):
         self.in_flight = in_flight
         self.metrics = metrics
         self.index_sync_interval_s = index_sync_interval_s
+        self.alive = alive
         self._last_sync = time.monotonic()
         self._dirty = False
 
@@ -168,33 +173,30 @@ class WriteStage(Stage):
     def write(self, embedded: EmbeddedBatch) -> PublishedBatch:
         batch = embedded.batch
         staged = self._stage(batch, embedded.vectors)
-        bad = batch.bad
-        with self.ownership.lock:
-            owned = {
-                key for key, epoch in batch.epochs.items() if self.ownership.still_owned(key, epoch)
-            }
+        owned = self._owned(batch, set(batch.ranges))
         # Dead letters first: once the files are published the offsets may be
         # committed, and a bad record must be durable in its topic before that.
-        self.dead_letter.send([b for b in bad if (b.source.topic, b.source.partition) in owned])
+        self.dead_letter.send([b for b in batch.bad if _key(b) in owned])
+        heard = self._wait_until_heard(batch, owned)
+        publish: set[TopicPartitionKey] = set()
         with self.ownership.lock:
-            # Ownership may have changed during the flush; this check and the
-            # renames are atomic with respect to revoke().
-            publish = {key for key in owned if self.ownership.still_owned(key, batch.epochs[key])}
+            # Ownership may have changed meanwhile; this check and the publishes
+            # are atomic with respect to revoke().
             for file in staged:
-                key = (file.name.topic, file.name.partition)
-                if key in publish:
-                    self.parquet.publish(file)
-                else:
+                key = file.key.partition_key
+                if not (heard and key in owned and self.ownership.owns(key, batch.epochs[key])):
                     self.parquet.discard(file)
+                elif self.parquet.publish(file):
+                    publish.add(key)
+                else:
+                    self._lost_race(batch, file)
         dropped = set(batch.ranges) - publish
         if dropped:
             log.info(
-                "batch %d: dropped partitions %s (revoked during the batch)",
-                batch.number,
-                sorted(dropped),
+                "batch %d: dropped partitions %s (no longer owned)", batch.number, sorted(dropped)
             )
-        rows = sum(f.rows for f in staged if (f.name.topic, f.name.partition) in publish)
-        dead = sum(1 for b in bad if (b.source.topic, b.source.partition) in publish)
+        rows = sum(f.rows for f in staged if f.key.partition_key in publish)
+        dead = sum(1 for b in batch.bad if _key(b) in publish)
         return PublishedBatch(
             number=batch.number,
             next_offsets={key: batch.ranges[key][1] + 1 for key in publish},
@@ -205,50 +207,59 @@ class WriteStage(Stage):
             opened_at=batch.opened_at,
         )
 
+    def _owned(self, batch: MicroBatch, keys: set[TopicPartitionKey]) -> set[TopicPartitionKey]:
+        with self.ownership.lock:
+            return {key for key in keys if self.ownership.owns(key, batch.epochs[key])}
+
+    def _wait_until_heard(self, batch: MicroBatch, owned: set[TopicPartitionKey]) -> bool:
+        """Holds publication while the group may have dropped this worker.
+
+        A worker that stalled past its session timeout (SIGSTOP, a long GC, a
+        frozen VM) wakes up still believing it owns its partitions. Until a
+        heartbeat gets through again, or the partitions are taken away, its
+        publishes wait. (The create-if-absent publish makes a late publish
+        harmless anyway; this keeps it from even trying.)
+        """
+        while not self.alive():
+            if self.stop_event.is_set() or not self._owned(batch, owned):
+                return False
+            time.sleep(_TICK_S)
+        return True
+
+    def _lost_race(self, batch: MicroBatch, file: StagedFile) -> None:
+        key = file.key.partition_key
+        log.warning(
+            "batch %d: %s[%d] from offset %d was published by another worker first; "
+            "reading the partition again from where the outputs end",
+            batch.number,
+            key[0],
+            key[1],
+            file.key.first,
+        )
+        self.metrics.publish_conflicts.inc()
+        self.ownership.fence(key, batch.epochs[key])
+
     def _stage(self, batch: MicroBatch, vectors: np.ndarray) -> list[StagedFile]:
         by_partition: dict[TopicPartitionKey, list[int]] = defaultdict(list)
         for i, record in enumerate(batch.good):
-            by_partition[(record.source.topic, record.source.partition)].append(i)
+            by_partition[_key(record)].append(i)
+        bad = Counter(_key(b) for b in batch.bad)
         staged = []
-        for name in segment_names(batch):
-            rows = by_partition.get((name.topic, name.partition), [])
+        for key, (first, last) in sorted(batch.ranges.items()):
+            rows = by_partition.get(key, [])
             records: list[GoodRecord] = [batch.good[i] for i in rows]
-            staged.append(self.parquet.stage(name, records, vectors[rows]))
+            staged.append(
+                self.parquet.stage(
+                    SegmentKey(key[0], key[1], first),
+                    last,
+                    records,
+                    vectors[rows],
+                    consumed=len(rows) + bad.get(key, 0),
+                    start=batch.start_notes.get(key),
+                )
+            )
         return staged
 
 
-class InFlight:
-    """Batches handed to the stages and not yet published, with their partitions.
-
-    `wait_for(partitions)` lets a revocation give in-flight work on those
-    partitions a bounded time to be published before the partitions go.
-    """
-
-    def __init__(self, ownership: Ownership) -> None:
-        self._cond = ownership.lock
-        self._batches: dict[int, set[TopicPartitionKey]] = {}
-
-    def started(self, batch: MicroBatch) -> None:
-        with self._cond:
-            self._batches[batch.number] = set(batch.ranges)
-
-    def finished(self, number: int) -> None:
-        with self._cond:
-            self._batches.pop(number, None)
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._batches)
-
-    def clear(self) -> None:
-        with self._cond:
-            self._batches.clear()
-            self._cond.notify_all()
-
-    def wait_for(self, partitions: set[TopicPartitionKey], timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: not any(keys & partitions for keys in self._batches.values()),
-                timeout=timeout_s,
-            )
+def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
+    return (record.source.topic, record.source.partition)

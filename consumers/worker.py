@@ -6,6 +6,9 @@ When that many are out, every owned partition is paused and `poll()` keeps
 being called (it returns nothing for paused partitions), so the worker stays in
 its group however slow a batch is, and memory stays bounded by the batches in
 flight plus the consumer's fetch buffers, whatever the backlog.
+
+Rebalances, positions and fencing live in `consumers.partitions`; the commit
+protocol in `consumers.committer`; damaged outputs in `consumers.repair`.
 """
 
 from __future__ import annotations
@@ -18,23 +21,27 @@ import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
-from kafka.errors import KafkaError
+import kafka.errors as kerrors
+from kafka import KafkaConsumer, TopicPartition
+from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 
-from consumers.committer import OffsetCommitter, Ownership, PublishedBatch
-from consumers.stages import EmbedStage, InFlight, Stage, WriteStage
+from consumers import repair
+from consumers.committer import OffsetCommitter, PublishedBatch
+from consumers.partitions import Applied, Listener, Ownership, Reader
+from consumers.stages import EmbedStage, Stage, WriteStage
 from pipeline import cluster
 from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from pipeline.config import WorkerConfig
 from pipeline.embedder import Embedder
-from pipeline.errors import PipelineError
+from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
 from pipeline.metrics import WorkerMetrics
 from pipeline.progress import Progress
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
-from sinks.layout import written_high_offsets
+from sinks.layout import segments_by_partition
 from sinks.parquet import ParquetSink
+from sinks.segments import pending_notes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +50,9 @@ _POLL_TICK_MS = 100
 _END_CHECK_INTERVAL_S = 1.0
 _END_CHECK_IDLE_S = 0.2  # nothing in flight: the end may just have been reached
 _LAG_METRIC_INTERVAL_S = 2.0
+_COMMIT_RETRY_S = 1.0
+# Decoding problems no retry mends: name the partition and offset, and stop.
+_UNDECODABLE = (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError)
 
 
 class RunSummary:
@@ -78,22 +88,6 @@ class RunSummary:
         )
 
 
-class _Listener(ConsumerRebalanceListener):
-    """Runs on kafka-python's IO thread: only bounded waits and state changes here."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        self.worker.partitions_revoked({(tp.topic, tp.partition) for tp in revoked}, lost=False)
-
-    def on_partitions_lost(self, lost: Any) -> None:
-        self.worker.partitions_revoked({(tp.topic, tp.partition) for tp in lost}, lost=True)
-
-    def on_partitions_assigned(self, assigned: Any) -> None:
-        self.worker.partitions_assigned(list(assigned))
-
-
 class Worker:
     def __init__(
         self,
@@ -108,29 +102,29 @@ class Worker:
         self.metrics = metrics or WorkerMetrics()
         self.summary = RunSummary()
         self.ownership = Ownership()
-        self.in_flight = InFlight(self.ownership)
+        self.in_flight = self.ownership.in_flight
         self.parser = RecordParser(config.text_field, config.id_field, config.max_text_bytes)
         self.batcher = Batcher(
             config.batch_size, config.max_batch_tokens, config.poll_timeout_ms / 1000
         )
         self.parquet = ParquetSink(config.output, embedder.info)
         self.index = IndexStore(config.output, use_gpu=embedder.info.device == "cuda")
-        self.dead_letter = DeadLetterSink(config.kafka, config.dead_letter_topic)
+        self.dead_letter = DeadLetterSink(
+            config.kafka, config.dead_letter_topic, timeout_s=config.broker_timeout_s
+        )
         self._stop_stages = threading.Event()
         self._embed_q: queue.Queue[MicroBatch] = queue.Queue(maxsize=config.max_in_flight + 1)
         self._write_q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._done_q: queue.Queue[PublishedBatch] = queue.Queue()
-        self._revoked_q: queue.Queue[set[TopicPartitionKey]] = queue.Queue()
-        self._assigned_positions: queue.Queue[dict[TopicPartitionKey, tuple[int, int]]] = (
-            queue.Queue()
-        )
-        self._paused: set[TopicPartition] = set()
         self._consumer: KafkaConsumer | None = None
+        self._reader: Reader | None = None
         self._committer: OffsetCommitter | None = None
         self._stages: list[Stage] = []
         self._end_targets: dict[TopicPartition, int] = {}
         self._progress: Progress | None = None
         self._last_lag_update = 0.0
+        self._last_commit_try = 0.0
+        self._end_checks_failing_since: float | None = None
         self._admin: Any = None
         # The revoke wait runs on kafka-python's IO thread and holds up heartbeats:
         # keep it well inside both the session timeout and the rebalance timeout.
@@ -149,14 +143,22 @@ class Worker:
             return self._run()
 
     def _run(self) -> RunSummary:
-        self._preflight()
+        committed = self._preflight()
         removed = self.parquet.prepare()
         if removed:
-            log.info("removed %d temp file(s) left by dead writers", removed)
+            log.info("removed %d temp file(s) left by dead or stalled writers", removed)
+        self._repair(committed)
         caught_up = self.index.sync()
         if caught_up:
             log.info("index caught up with %d vectors from existing Parquet files", caught_up)
         self._consumer = self._make_consumer()
+        self._reader = Reader(
+            self._consumer,
+            self.ownership,
+            self.config.output,
+            self.config.kafka,
+            on_quarantine=self.metrics.quarantined.inc,
+        )
         self._committer = OffsetCommitter(self._consumer, self.ownership)
         self._start_stages()
         try:
@@ -169,41 +171,92 @@ class Worker:
             self._close()
         return self.summary
 
-    def _preflight(self) -> None:
+    def _preflight(self) -> dict[TopicPartition, int]:
+        """Checks the cluster and the output before the group is joined; returns the commits."""
         cfg = self.config
-        partitions = cluster.partitions_of(self._admin, cfg.topics)
-        cluster.ensure_topic(self._admin, cfg.dead_letter_topic)
+        partitions = cluster.partitions_of(self._admin, cfg.kafka, cfg.topics)
+        cluster.ensure_topic(self._admin, cfg.kafka, cfg.dead_letter_topic)
+        with cluster.offsets_consumer(cfg.kafka) as reader:
+            beginnings = cluster.beginning_offsets(reader, cfg.kafka, partitions)
+            if cfg.until_end:
+                self._end_targets = cluster.end_offsets(reader, cfg.kafka, partitions)
+        committed = cluster.group_offsets(self._admin, cfg.kafka, cfg.group)
+        if not cfg.from_committed:
+            self._check_fresh_output(partitions, committed, beginnings)
         if cfg.until_end:
-            with cluster.offsets_consumer(cfg.kafka) as reader:
-                self._end_targets = cluster.end_offsets(reader, partitions)
-            remaining = self._group_remaining(cluster.group_offsets(self._admin, cfg.group))
+            remaining = self._group_remaining(committed)
             log.info(
                 "bulk mode: %d records to the end of %d partition(s)", remaining, len(partitions)
             )
             self._progress = Progress("embedding", remaining, enabled=cfg.progress)
+        return committed
+
+    def _check_fresh_output(
+        self,
+        partitions: list[TopicPartition],
+        committed: dict[TopicPartition, int],
+        beginnings: dict[TopicPartition, int],
+    ) -> None:
+        """Refuses a group that consumed partitions of which the output holds nothing."""
+        cfg = self.config
+        written = set(segments_by_partition(cfg.output, cfg.topics))
+        written |= {(n.topic, n.partition) for n in pending_notes(cfg.output)}
+        skipped = [
+            f"{tp.topic}[{tp.partition}]@{committed[tp]}"
+            for tp in partitions
+            if committed.get(tp, 0) > beginnings.get(tp, 0)
+            and (tp.topic, tp.partition) not in written
+        ]
+        if skipped:
+            raise OutputError(
+                f"group {cfg.group} has committed offsets ({', '.join(skipped)}) but "
+                f"{cfg.output} holds no output for those partitions, so starting there would "
+                "leave out every record before them. Give a new --group to embed the topics "
+                "from the beginning, point --output at the group's existing output, or pass "
+                "--from-committed to start this output at the group's offsets."
+            )
 
     def _group_remaining(self, committed: dict[TopicPartition, int]) -> int:
         return sum(max(0, end - committed.get(tp, 0)) for tp, end in self._end_targets.items())
 
+    def _repair(self, committed: dict[TopicPartition, int]) -> None:
+        report = repair.repair_outputs(
+            self.config,
+            self.embedder,
+            self.parser,
+            self.parquet,
+            self.index,
+            {(tp.topic, tp.partition): offset for tp, offset in committed.items()},
+        )
+        self.metrics.quarantined.inc(report.quarantined)
+        self.metrics.repaired.inc(report.repaired)
+
     def _make_consumer(self) -> KafkaConsumer:
         cfg = self.config
-        try:
-            consumer = KafkaConsumer(
-                group_id=cfg.group,
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                max_poll_records=cfg.batch_size,
-                max_poll_interval_ms=cfg.max_poll_interval_ms,
-                session_timeout_ms=cfg.session_timeout_ms,
-                # Bounds the fetch buffers: part of the worker's memory ceiling.
-                fetch_max_bytes=16 * 1024 * 1024,
-                max_partition_fetch_bytes=2 * 1024 * 1024,
-                bootstrap_timeout_ms=cluster.BOOTSTRAP_TIMEOUT_MS,
-                **cfg.kafka.client_kwargs(),
-            )
-        except KafkaError as exc:
-            raise cluster.unreachable(cfg.kafka, exc) from exc
-        consumer.subscribe(list(cfg.topics), listener=_Listener(self))
+        consumer = cluster.build_client(
+            KafkaConsumer,
+            cfg.kafka,
+            group_id=cfg.group,
+            enable_auto_commit=False,
+            # Every assigned partition is sought explicitly (consumers.partitions);
+            # an offset that retention removed is handled, never silently reset.
+            auto_offset_reset="none",
+            isolation_level="read_committed",
+            # Moving a partition revokes only that partition: the others keep
+            # their in-flight work through a member joining or leaving.
+            partition_assignment_strategy=[CooperativeStickyAssignor],
+            max_poll_records=cfg.batch_size,
+            max_poll_interval_ms=cfg.max_poll_interval_ms,
+            session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=max(100, min(3000, cfg.session_timeout_ms // 3)),
+            # Bounds the fetch buffers: part of the worker's memory ceiling.
+            fetch_max_bytes=16 * 1024 * 1024,
+            max_partition_fetch_bytes=2 * 1024 * 1024,
+            **cluster.client_kwargs(cfg.kafka),
+        )
+        consumer.subscribe(
+            list(cfg.topics), listener=Listener(self.ownership, self._revoke_timeout_s)
+        )
         # A metadata refresh before the first poll: kafka-python snapshots the
         # subscribed topics' partitions on metadata updates, and a first join with
         # an empty snapshot is followed by a needless second rebalance.
@@ -225,28 +278,39 @@ class Worker:
             self.in_flight,
             self.metrics,
             self.config.index_sync_interval_s,
+            alive=self._heard_by_group,
         )
         self._stages = [embed, write]
         for stage in self._stages:
             stage.start()
 
+    def _heard_by_group(self) -> bool:
+        """False once no heartbeat got through for a whole session timeout.
+
+        Reads kafka-python's heartbeat bookkeeping; without it (another client
+        version), publishing relies on ownership and the create-if-absent alone.
+        """
+        heartbeat = getattr(getattr(self._consumer, "_coordinator", None), "heartbeat", None)
+        expired = getattr(heartbeat, "session_timeout_expired", None)
+        return expired is None or not expired()
+
     # -- the poll loop -------------------------------------------------------------
 
     def _loop(self) -> None:
-        assert self._consumer is not None
         last_end_check = 0.0
         while not self.shutdown.is_set():
             self._check_stages()
-            self._apply_rebalance_effects()
             self._collect_published()
             self._flow_control()
             timeout = self._poll_timeout_ms()
-            polled = self._consumer.poll(timeout_ms=timeout)
+            polled = self._poll(timeout)
+            self._apply_rebalance()
             if polled:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = time.monotonic()
                 self._ingest(polled)
-            if self.batcher.pending and self._caught_up(empty_poll=not polled, timeout=timeout):
+            self._cover_skipped_offsets()
+            if self.batcher.is_open and self._caught_up(empty_poll=not polled, timeout=timeout):
                 # The open batch holds all there is to read for now: waiting for
                 # it to fill would only add latency.
                 batch = self.batcher.flush(CloseReason.CAUGHT_UP)
@@ -256,7 +320,7 @@ class Worker:
             if due is not None:
                 self._hand_off(due)
             self._update_lag_metrics()
-            idle = not len(self.in_flight) and not self.batcher.pending
+            idle = not len(self.in_flight) and not self.batcher.is_open
             check_every = _END_CHECK_IDLE_S if idle else _END_CHECK_INTERVAL_S
             if self.config.until_end and time.monotonic() - last_end_check > check_every:
                 last_end_check = time.monotonic()
@@ -264,6 +328,23 @@ class Worker:
                     log.info("bulk mode: the group's committed offsets reached the end")
                     return
         log.info("shutdown requested: finishing the batches in flight")
+
+    def _poll(self, timeout_ms: int) -> dict[Any, list[Any]]:
+        assert self._consumer is not None
+        try:
+            return self._consumer.poll(timeout_ms=timeout_ms)
+        except kerrors.NoOffsetForPartitionError:
+            return {}  # assigned during this poll; _apply_rebalance() seeks it next
+        except kerrors.OffsetOutOfRangeError as exc:
+            self._out_of_range(exc.args[0] if exc.args else {})
+            return {}
+        except _UNDECODABLE as exc:
+            raise self._undecodable(exc) from exc
+        except kerrors.KafkaError as exc:
+            if cluster.is_retriable(exc):
+                log.debug("poll: %s (retrying)", exc)
+                return {}
+            raise PipelineError(f"consuming {', '.join(self.config.topics)} failed: {exc}") from exc
 
     def _caught_up(self, empty_poll: bool, timeout: int) -> bool:
         """Whether every partition read here has nothing more to fetch right now.
@@ -273,7 +354,7 @@ class Worker:
         Paused partitions may hold more, so nothing is caught up while any is.
         """
         assert self._consumer is not None
-        if self._paused:
+        if self._consumer.paused():
             return False
         if empty_poll:
             return timeout >= _POLL_TICK_MS
@@ -287,7 +368,7 @@ class Worker:
             try:
                 # Known positions are answered locally; an unknown one is not waited for.
                 position = self._consumer.position(tp, timeout_ms=0)
-            except KafkaError:
+            except kerrors.KafkaError:
                 return False
             if position is None or position < highwater:
                 return False
@@ -300,11 +381,16 @@ class Worker:
         return max(0, min(_POLL_TICK_MS, int(until_due * 1000)))
 
     def _ingest(self, polled: dict[Any, list[Any]]) -> None:
+        assert self._reader is not None
+        accept = self._reader.accept
         sources = [
             SourceRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value)
             for records in polled.values()
             for r in records
+            if accept((r.topic, r.partition), r.offset)
         ]
+        if not sources:
+            return
         parsed = [self.parser.parse(s) for s in sources]
         good = [p for p in parsed if isinstance(p, GoodRecord)]
         tokens = self.embedder.tokenize([g.text for g in good])
@@ -312,17 +398,32 @@ class Worker:
             self.metrics.truncated.inc(tokens.truncated)
         ids = iter(tokens.ids)
         pairs = [(p, next(ids) if isinstance(p, GoodRecord) else None) for p in parsed]
-        for batch in self.batcher.add(pairs, self.ownership.epoch):
+        for batch in self.batcher.add(pairs, self._reader.epoch):
             self._hand_off(batch)
 
+    def _cover_skipped_offsets(self) -> None:
+        """Offsets the consumer passed without a record (transaction markers,
+        aborted or compacted records) join the open batch's ranges, so that
+        commits, and `--until-end`, reach the end of transactional topics."""
+        assert self._reader is not None
+        for key in list(self._reader.states):
+            offset = self._reader.skipped_to(key)
+            if offset is not None:
+                self.batcher.advance(key, offset, self._reader.epoch(key))
+
     def _hand_off(self, batch: MicroBatch) -> None:
+        assert self._reader is not None
         # Drop what was polled under an assignment that has since changed.
-        stale = {k for k, e in batch.epochs.items() if self.ownership.epoch(k) != e}
+        stale = {k for k, e in batch.epochs.items() if self._reader.epoch(k) != e}
         if stale:
             batch = batch.without(stale)
-        if not len(batch):
+        if not batch.ranges:
             return
-        self.in_flight.started(batch)
+        for key, (first, _) in batch.ranges.items():
+            note = self._reader.take_start_note(key, first)
+            if note is not None:
+                batch.start_notes[key] = note
+        self.in_flight.started(batch.number, batch.ranges)
         reason = batch.closed_by.value if batch.closed_by else "unknown"
         log.debug("batch %d: closed (%s) with %d records", batch.number, reason, len(batch))
         self.metrics.batches_closed.labels(reason).inc()
@@ -336,20 +437,9 @@ class Worker:
                 self._check_stages()
 
     def _flow_control(self) -> None:
-        assert self._consumer is not None
+        assert self._reader is not None
         full = len(self.in_flight) >= self.config.max_in_flight
-        assigned = set(self._consumer.assignment())
-        if full:
-            to_pause = assigned - self._paused
-            if to_pause:
-                self._consumer.pause(*to_pause)
-                self._paused |= to_pause
-        elif self._paused:
-            to_resume = self._paused & assigned
-            if to_resume:
-                self._consumer.resume(*to_resume)
-            self._paused = set()
-        self.metrics.paused.set(len(self._paused))
+        self.metrics.paused.set(self._reader.set_paused(full))
 
     def _collect_published(self) -> None:
         assert self._committer is not None
@@ -358,15 +448,29 @@ class Worker:
             self._committer.add(published)
             self._account(published)
             opened.append(published.opened_at)
-        if self._committer.has_pending:
+        now = time.monotonic()
+        if self._committer.has_pending and (
+            self._committer.failing_since is None or now - self._last_commit_try >= _COMMIT_RETRY_S
+        ):
+            self._last_commit_try = now
             started = time.perf_counter()
-            if self._committer.commit():
+            if self._committer.commit(now):
                 self.metrics.commit_seconds.observe(time.perf_counter() - started)
-                now = time.monotonic()
-                self.summary.last_commit_at = now
+                self.summary.last_commit_at = time.monotonic()
                 for opened_at in opened:
-                    self.metrics.batch_latency.observe(now - opened_at)
+                    self.metrics.batch_latency.observe(self.summary.last_commit_at - opened_at)
+        self._check_cluster_health(self._committer.failing_since, "committing offsets")
         self.metrics.in_flight.set(len(self.in_flight))
+
+    def _check_cluster_health(self, failing_since: float | None, what: str) -> None:
+        if failing_since is None:
+            return
+        if time.monotonic() - failing_since > self.config.broker_timeout_s:
+            raise BrokerUnavailable(
+                f"{what} kept failing for {self.config.broker_timeout_s:.0f}s: the cluster at "
+                f"{self.config.kafka.bootstrap_servers} does not answer; nothing was committed "
+                "past the published outputs, so a restart resumes where they end"
+            )
 
     def _account(self, published: PublishedBatch) -> None:
         records = published.rows + published.dead_lettered
@@ -402,65 +506,102 @@ class Worker:
             if not stage.is_alive() and not self._stop_stages.is_set():
                 raise PipelineError(f"the {stage.name} stage stopped unexpectedly")
 
-    # -- rebalances (called on kafka-python's IO thread) ------------------------------
+    # -- rebalances and positions ---------------------------------------------------
 
-    def partitions_revoked(self, keys: set[TopicPartitionKey], lost: bool) -> None:
-        # Give in-flight work on these partitions a bounded time to be published:
-        # once published, the next owner starts past it. After the wait, what is
-        # still in flight is dropped, never committed.
-        if not lost and keys and not self.in_flight.wait_for(keys, self._revoke_timeout_s):
-            log.warning(
-                "revoke: batches on %s not published within %.0fs; dropping them",
-                sorted(keys),
-                self._revoke_timeout_s,
+    def _apply_rebalance(self) -> None:
+        """After each poll: whatever the group (or a lost publish race) changed."""
+        assert self._reader is not None and self._committer is not None
+        applied: Applied = self._reader.apply()
+        if not applied.changed:
+            return
+        self.batcher.drop(applied.changed)
+        self._committer.forget(applied.changed - set(applied.started))
+        for key, offset in applied.started.items():
+            self.batcher.start(key, offset)
+        for key, offset in applied.commit_to.items():
+            # The outputs already hold everything below: let the commit say so.
+            self._committer.add_position(key, offset, self._reader.epoch(key))
+        for change in applied.changes:
+            self.metrics.rebalances.labels(change).inc()
+
+    def _out_of_range(self, offsets: dict[TopicPartition, int]) -> None:
+        """A partition position that Kafka no longer (or not yet) has."""
+        assert self._consumer is not None and self._reader is not None
+        tps = list(offsets)
+        with cluster.offsets_consumer(self.config.kafka) as probe:
+            beginnings = cluster.beginning_offsets(probe, self.config.kafka, tps)
+            ends = cluster.end_offsets(probe, self.config.kafka, tps)
+        for tp, offset in offsets.items():
+            key: TopicPartitionKey = (tp.topic, tp.partition)
+            if offset >= ends[tp]:
+                raise OutputError(
+                    f"{tp.topic}[{tp.partition}]: the outputs in {self.config.output} run to "
+                    f"offset {offset - 1} but the partition ends at {ends[tp]}: was the topic "
+                    "deleted and re-created? Embed it into a new --output with a new --group"
+                )
+            log.error(
+                "%s[%d]: offsets %d..%d were deleted by retention before they were embedded; "
+                "continuing at %d (pipeline audit lists them)",
+                tp.topic,
+                tp.partition,
+                offset,
+                beginnings[tp] - 1,
+                beginnings[tp],
             )
-        self.ownership.revoke(keys)
-        self._revoked_q.put(keys)
-        log.info("partitions %s: %s", "lost" if lost else "revoked", sorted(keys))
+            # The open batch must not stretch its range over the deleted offsets.
+            batch = self.batcher.flush(CloseReason.SHUTDOWN)
+            if batch is not None:
+                self._hand_off(batch)
+            self._reader.restart_at(key, beginnings[tp])
+            self.batcher.start(key, beginnings[tp])
 
-    def partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        keys = [(tp.topic, tp.partition) for tp in assigned]
-        self.ownership.assign(keys)
-        # Start past what the output directory already holds (a crash between
-        # publish and commit, or another worker's last batch before a rebalance).
-        written = written_high_offsets(self.config.output)
-        positions = {}
+    def _undecodable(self, exc: Exception) -> PipelineError:
+        """Names the partition and offset of a record batch that cannot be decoded."""
         assert self._consumer is not None
-        for tp in assigned:
-            key = (tp.topic, tp.partition)
-            if key in written:
-                self._consumer.seek(tp, written[key] + 1)
-                positions[key] = (written[key] + 1, self.ownership.epoch(key))
-        self._paused -= set(assigned)
-        self._assigned_positions.put(positions)
-        log.info(
-            "partitions assigned: %s%s",
-            sorted(keys),
-            f" (resuming past written files: {positions})" if positions else "",
+        where = "an assigned partition"
+        for tp in sorted(self._consumer.assignment()):
+            try:
+                position = self._consumer.position(tp, timeout_ms=0)
+            except kerrors.KafkaError:
+                continue
+            if position is not None and repair.fails_to_decode(self.config.kafka, tp, position):
+                where = f"{tp.topic}[{tp.partition}] at offset {position}"
+                break
+        return PipelineError(
+            f"cannot decode the record batch of {where}: {exc}; the worker stops there "
+            "(nothing past it is committed)"
         )
-
-    def _apply_rebalance_effects(self) -> None:
-        assert self._committer is not None
-        for revoked in _take_all(self._revoked_q):
-            self.batcher.drop(revoked)
-        for positions in _take_all(self._assigned_positions):
-            for key, (offset, epoch) in positions.items():
-                self._committer.add_position(key, offset, epoch)
 
     # -- bulk mode -----------------------------------------------------------------
 
     def _reached_end(self) -> bool:
-        if len(self.in_flight) or self.batcher.pending or self._done_q.qsize():
-            self._group_committed()
+        assert self._committer is not None and self._reader is not None
+        if len(self.in_flight) or self.batcher.is_open or self._done_q.qsize():
             return False
-        assert self._committer is not None
         if self._committer.has_pending:
             return False
-        return self._group_remaining(self._group_committed()) == 0
+        for key, state in self._reader.states.items():
+            target = self._end_targets.get(TopicPartition(*key))
+            if target is not None and state.next_offset < target:
+                return False  # the outputs may hold less than the commits say
+        committed = self._group_committed()
+        return committed is not None and self._group_remaining(committed) == 0
 
-    def _group_committed(self) -> dict[TopicPartition, int]:
+    def _group_committed(self) -> dict[TopicPartition, int] | None:
         """The whole group's commits (any worker's), which also drive the progress bar."""
-        committed = cluster.group_offsets(self._admin, self.config.group)
+        try:
+            committed = cluster.group_offsets(
+                self._admin, self.config.kafka, self.config.group, deadline_s=5.0
+            )
+        except BrokerUnavailable as exc:
+            if self._end_checks_failing_since is None:
+                self._end_checks_failing_since = time.monotonic()
+            log.warning("bulk mode: %s (retrying)", exc)
+            self._check_cluster_health(
+                self._end_checks_failing_since, "reading the group's offsets"
+            )
+            return None
+        self._end_checks_failing_since = None
         if self._progress is not None and self._progress.total is not None:
             # The bar's total is what remained at start.
             self._progress.update(self._progress.total - self._group_remaining(committed))
@@ -474,7 +615,7 @@ class Worker:
         if batch is not None:
             self._hand_off(batch)
         deadline = time.monotonic() + timeout_s
-        assert self._consumer is not None
+        assert self._consumer is not None and self._reader is not None
         while len(self.in_flight) or not self._done_q.empty():
             self._check_stages()
             if time.monotonic() > deadline:
@@ -485,18 +626,11 @@ class Worker:
                 )
                 break
             # Keep the membership alive while the last batches finish.
-            self._pause_all()
-            self._consumer.poll(timeout_ms=50)
-            self._apply_rebalance_effects()
+            self._reader.set_paused(True)
+            self._poll(50)
+            self._apply_rebalance()
             self._collect_published()
         self._collect_published()
-
-    def _pause_all(self) -> None:
-        assert self._consumer is not None
-        assignment = set(self._consumer.assignment())
-        if assignment - self._paused:
-            self._consumer.pause(*(assignment - self._paused))
-            self._paused |= assignment
 
     def _commit_published(self) -> None:
         """On a failure, still commits the batches that were fully published before it."""

@@ -3,9 +3,13 @@ or old enough, whichever comes first; the poll loop also closes a batch early
 once the consumer has caught up (`flush(CloseReason.CAUGHT_UP)`), since waiting
 for records that are not there only adds latency.
 
-A batch also records which offsets of which partitions it covers (bad records
-included) and the assignment epoch each partition had when its records were
-polled, so that the committer can tell a batch of a partition since revoked.
+A batch also records which offsets of which partitions it covers and the
+assignment epoch each partition had when its records were polled, so that the
+committer can tell a batch of a partition since revoked. A partition's ranges
+tile its offsets: each starts where the previous one ended (`start()` sets the
+first), bad records are covered like good ones, and `advance()` covers offsets
+the consumer passed without a record (transaction markers, aborted or compacted
+records), which may give a batch ranges and no records at all.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class MicroBatch:
     # (topic, partition) -> [first offset, last offset] covered by this batch
     ranges: dict[TopicPartitionKey, list[int]] = field(default_factory=dict)
     epochs: dict[TopicPartitionKey, int] = field(default_factory=dict)
+    # Why a partition's first segment starts where it does (see sinks.segments).
+    start_notes: dict[TopicPartitionKey, str] = field(default_factory=dict)
     opened_at: float = 0.0
     closed_at: float = 0.0
     closed_by: CloseReason | None = None
@@ -54,14 +60,20 @@ class MicroBatch:
         lengths = np.fromiter((len(t) for t in self.token_ids), np.int64, len(self.token_ids))
         return Tokenized(self.token_ids, lengths, truncated=0)
 
-    def cover(self, key: TopicPartitionKey, offset: int, epoch: int) -> None:
+    def cover(self, key: TopicPartitionKey, first: int, last: int, epoch: int) -> None:
+        """Extends the partition's range to `last`; a new range starts at `first`."""
         span = self.ranges.get(key)
         if span is None:
-            self.ranges[key] = [offset, offset]
+            self.ranges[key] = [first, last]
             self.epochs[key] = epoch
         else:
-            span[0] = min(span[0], offset)
-            span[1] = max(span[1], offset)
+            span[1] = max(span[1], last)
+
+    def consumed(self, key: TopicPartitionKey) -> int:
+        """Records of the partition in this batch, good and bad."""
+        return sum(1 for r in self.good if _key(r) == key) + sum(
+            1 for b in self.bad if _key(b) == key
+        )
 
     def without(self, dropped: set[TopicPartitionKey]) -> MicroBatch:
         """A copy without the records of the given partitions."""
@@ -73,6 +85,7 @@ class MicroBatch:
             tokens=sum(len(self.token_ids[i]) for i in keep),
             ranges={k: v for k, v in self.ranges.items() if k not in dropped},
             epochs={k: v for k, v in self.epochs.items() if k not in dropped},
+            start_notes={k: v for k, v in self.start_notes.items() if k not in dropped},
             opened_at=self.opened_at,
             closed_at=self.closed_at,
             closed_by=self.closed_by,
@@ -99,10 +112,30 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self._clock = clock
         self._open: MicroBatch | None = None
+        # Per partition, the first offset of its next range.
+        self._next: dict[TopicPartitionKey, int] = {}
 
     @property
     def pending(self) -> int:
+        """Records in the open batch."""
         return 0 if self._open is None else len(self._open)
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a batch is open (it may cover offsets without holding records)."""
+        return self._open is not None
+
+    def start(self, key: TopicPartitionKey, offset: int) -> None:
+        """The partition's next range starts at `offset` (after an assignment)."""
+        self._next[key] = offset
+
+    def advance(self, key: TopicPartitionKey, offset: int, epoch: int) -> None:
+        """Covers the partition up to `offset` - 1: offsets passed without a record."""
+        first = self._next.get(key)
+        if first is None or offset <= first:
+            return
+        self._ensure_open().cover(key, first, offset - 1, epoch)
+        self._next[key] = offset
 
     def add(
         self,
@@ -118,7 +151,9 @@ class Batcher:
                 closed.append(self._close(CloseReason.TOKENS))
             batch = self._ensure_open()
             key = _key(record)
-            batch.cover(key, record.source.offset, epoch_of(key))
+            offset = record.source.offset
+            batch.cover(key, self._next.get(key, offset), offset, epoch_of(key))
+            self._next[key] = offset + 1
             if isinstance(record, GoodRecord):
                 assert ids is not None
                 batch.good.append(record)
@@ -149,10 +184,12 @@ class Batcher:
 
     def drop(self, partitions: set[TopicPartitionKey]) -> None:
         """Forgets open records of revoked partitions (they will be consumed again)."""
+        for key in partitions:
+            self._next.pop(key, None)
         if self._open is None or not partitions:
             return
         remaining = self._open.without(partitions)
-        self._open = remaining if len(remaining) else None
+        self._open = remaining if remaining.ranges else None
 
     def _ensure_open(self) -> MicroBatch:
         if self._open is None:

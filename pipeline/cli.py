@@ -182,7 +182,7 @@ def topics_create(
     from pipeline import cluster
 
     with cluster.admin_client(kafka) as admin:
-        created = cluster.create_topic(admin, topic, partitions, replication_factor)
+        created = cluster.create_topic(admin, kafka, topic, partitions, replication_factor)
     click.echo(f"{'created' if created else 'exists'}: {topic} ({partitions} partitions)")
 
 
@@ -278,10 +278,21 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option("--id-field")
 @_run_option("--max-text-bytes", type=int)
 @env_option("--until-end", is_flag=True, help="Bulk mode: exit 0 at the end offsets at start.")
+@env_option(
+    "--from-committed",
+    is_flag=True,
+    help="Start partitions this output holds nothing of at the group's committed offsets "
+    "(a fresh --output for an existing --group).",
+)
 @_run_option("--max-poll-interval-ms", type=int)
 @_run_option("--session-timeout-ms", type=int)
 @_run_option("--index-sync-interval-s", type=float)
 @_run_option("--shutdown-timeout-s", type=float)
+@_run_option(
+    "--broker-timeout-s",
+    type=float,
+    help="How long to keep retrying a cluster that does not answer before exiting.",
+)
 @env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
 @env_option("--progress/--no-progress", default=True, show_default=True)
 @env_option(
@@ -336,7 +347,7 @@ def _check_cluster(config: WorkerConfig) -> None:
     from pipeline import cluster
 
     with cluster.admin_client(config.kafka) as admin:
-        cluster.partitions_of(admin, config.topics)
+        cluster.partitions_of(admin, config.kafka, config.topics)
 
 
 def _set_torch_threads(config: WorkerConfig) -> None:

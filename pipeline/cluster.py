@@ -1,41 +1,148 @@
-"""Talking to the cluster outside the hot path: reachability, topics, offsets.
+"""The one Kafka layer outside the hot path: clients, topics, offsets, groups.
 
-Every call is bounded by a timeout, and the failures users meet (no broker, no
-such topic) become one-line `PipelineError`s.
+The CLI, the worker and `pipeline status` all talk to the cluster through this
+module, under one policy:
+
+- every call is bounded by a deadline;
+- retriable errors (the coordinator loading or moving, a leader change, a
+  broker restarting, a request timing out) are retried with exponential
+  backoff until the deadline;
+- past it, or on an error that no retry mends, one `PipelineError` with one
+  actionable line: `BrokerUnavailable` when the cluster did not answer,
+  `TopicMissing` for a topic that does not exist, `PipelineError` otherwise.
+
+A freshly formatted broker has no `__consumer_offsets` topic yet: the first
+group operation sees CoordinatorNotAvailable for a few seconds, which is just
+one more retriable error here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
+import kafka.errors as kerrors
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.net.compat import KafkaNetClient
 
 from pipeline.config import KafkaSettings
 from pipeline.errors import BrokerUnavailable, PipelineError, TopicMissing
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BOOTSTRAP_TIMEOUT_MS = 10_000
+# How long a cluster call keeps retrying retriable errors before giving up:
+# long enough for a broker restart or a coordinator election, short enough
+# that a command run by hand does not seem to hang.
+DEFAULT_DEADLINE_S = 60.0
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 2.0
 
 
-def unreachable(kafka: KafkaSettings, exc: BaseException | None = None) -> BrokerUnavailable:
+# --------------------------------------------------------------------------- the policy
+
+
+def is_retriable(exc: BaseException) -> bool:
+    return isinstance(exc, kerrors.KafkaError) and bool(exc.retriable)
+
+
+def unreachable(
+    kafka: KafkaSettings, exc: BaseException | None = None, what: str | None = None
+) -> BrokerUnavailable:
     detail = f" ({exc})" if exc else ""
+    doing = f"{what}: " if what else ""
     return BrokerUnavailable(
-        f"no Kafka broker answered at {kafka.bootstrap_servers}{detail}; start one "
+        f"{doing}no Kafka broker answered at {kafka.bootstrap_servers}{detail}; start one "
         "(scripts/dev-kafka.sh start) or set --bootstrap-servers / PIPELINE_BOOTSTRAP_SERVERS"
     )
 
 
-@contextmanager
-def admin_client(kafka: KafkaSettings) -> Iterator[KafkaAdminClient]:
+def retrying(
+    call: Callable[[], T],
+    what: str,
+    kafka: KafkaSettings,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Runs `call`, retrying retriable Kafka errors with backoff for up to `deadline_s`.
+
+    `what` names the operation in the error a user sees ("reading committed
+    offsets of group g"). Non-retriable Kafka errors become a PipelineError at
+    once; retriable ones past the deadline become BrokerUnavailable.
+    """
+    deadline = time.monotonic() + deadline_s
+    backoff = _BACKOFF_FIRST_S
+    while True:
+        try:
+            return call()
+        except kerrors.KafkaError as exc:
+            if not is_retriable(exc):
+                raise _refused(what, exc) from exc
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BrokerUnavailable(
+                    f"{what}: the cluster at {kafka.bootstrap_servers} did not answer within "
+                    f"{deadline_s:.0f}s ({exc}); check that the brokers are up and reachable"
+                ) from exc
+            log.debug("%s: %s; retrying in %.1fs", what, exc, backoff)
+            sleep(min(backoff, left))
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+
+def _refused(what: str, exc: kerrors.KafkaError) -> PipelineError:
+    if isinstance(exc, kerrors.AuthorizationError):
+        return PipelineError(f"{what}: not authorised ({exc}); check the credentials and ACLs")
+    return PipelineError(f"{what}: Kafka refused it ({exc})")
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def client_kwargs(kafka: KafkaSettings, request_timeout_ms: int | None = None) -> dict[str, Any]:
+    kwargs = kafka.client_kwargs()
+    kwargs["bootstrap_timeout_ms"] = BOOTSTRAP_TIMEOUT_MS
+    if request_timeout_ms is not None:
+        kwargs["request_timeout_ms"] = min(kafka.request_timeout_ms, request_timeout_ms)
+    return kwargs
+
+
+def build_client(make: Callable[..., T], kafka: KafkaSettings, **configs: Any) -> T:
+    """Builds a kafka-python client; BrokerUnavailable when no broker answers.
+
+    kafka-python 3 starts a network thread before bootstrapping and leaves it
+    running when bootstrap fails; this stops it again, so that retries (and
+    `status --watch` against a broker that is down) do not leak threads.
+    """
+    created: list[KafkaNetClient] = []
+
+    def net_client(**kwargs: Any) -> KafkaNetClient:
+        created.append(KafkaNetClient(**kwargs))
+        return created[-1]
+
     try:
-        admin = KafkaAdminClient(bootstrap_timeout_ms=BOOTSTRAP_TIMEOUT_MS, **kafka.client_kwargs())
-    except KafkaError as exc:
-        raise unreachable(kafka, exc) from exc
+        return make(**configs, kafka_client=net_client)
+    except BaseException as exc:
+        for client in created:
+            try:
+                client.close()
+                client._net.stop(timeout_ms=1_000)
+            except Exception:  # stopping is best effort; the error below matters
+                log.debug("stopping a failed client's network thread", exc_info=True)
+        if isinstance(exc, kerrors.KafkaError):
+            raise unreachable(kafka, exc) from exc
+        raise
+
+
+@contextmanager
+def admin_client(
+    kafka: KafkaSettings, request_timeout_ms: int | None = None
+) -> Iterator[KafkaAdminClient]:
+    admin = build_client(KafkaAdminClient, kafka, **client_kwargs(kafka, request_timeout_ms))
     try:
         yield admin
     finally:
@@ -43,91 +150,158 @@ def admin_client(kafka: KafkaSettings) -> Iterator[KafkaAdminClient]:
 
 
 @contextmanager
-def offsets_consumer(kafka: KafkaSettings) -> Iterator[KafkaConsumer]:
-    """A consumer outside any group, for reading offsets and timestamps."""
-    try:
-        consumer = KafkaConsumer(
-            group_id=None,
-            enable_auto_commit=False,
-            bootstrap_timeout_ms=BOOTSTRAP_TIMEOUT_MS,
-            **kafka.client_kwargs(),
-        )
-    except KafkaError as exc:
-        raise unreachable(kafka, exc) from exc
+def offsets_consumer(
+    kafka: KafkaSettings, request_timeout_ms: int | None = None, **configs: Any
+) -> Iterator[KafkaConsumer]:
+    """A consumer outside any group, reading committed data only (for offsets and probes)."""
+    settings = dict(
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        **client_kwargs(kafka, request_timeout_ms),
+    )
+    settings.update(configs)
+    consumer = build_client(KafkaConsumer, kafka, **settings)
     try:
         yield consumer
     finally:
-        consumer.close(autocommit=False)
+        consumer.close(autocommit=False, timeout_ms=2_000)
 
 
-def partitions_of(admin: KafkaAdminClient, topics: Sequence[str]) -> list[TopicPartition]:
-    """All partitions of the topics; TopicMissing names those that do not exist."""
-    try:
-        described = admin.describe_topics(list(topics))
-    except KafkaError as exc:
-        raise PipelineError(f"describing topics {', '.join(topics)} failed: {exc}") from exc
-    missing = []
-    partitions = []
+# --------------------------------------------------------------------------- topics
+
+
+def describe_partitions(
+    admin: KafkaAdminClient,
+    kafka: KafkaSettings,
+    topics: Sequence[str],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> dict[str, list[int] | None]:
+    """Partition numbers per topic; None for a topic that does not exist."""
+    described = retrying(
+        lambda: admin.describe_topics(list(topics)),
+        f"describing topic(s) {', '.join(topics)}",
+        kafka,
+        deadline_s,
+    )
+    found: dict[str, list[int] | None] = dict.fromkeys(topics)
     for topic in described:
-        if topic.get("error_code", 0) != 0 or not topic.get("partitions"):
-            missing.append(topic["name"])
-            continue
-        partitions += [
-            TopicPartition(topic["name"], p["partition_index"]) for p in topic["partitions"]
-        ]
+        if topic.get("error_code", 0) == 0 and topic["name"] in found and topic.get("partitions"):
+            found[topic["name"]] = sorted(p["partition_index"] for p in topic["partitions"])
+    return found
+
+
+def partitions_of(
+    admin: KafkaAdminClient, kafka: KafkaSettings, topics: Sequence[str]
+) -> list[TopicPartition]:
+    """All partitions of the topics; TopicMissing names those that do not exist."""
+    found = describe_partitions(admin, kafka, topics)
+    missing = sorted(t for t, parts in found.items() if parts is None)
     if missing:
         raise TopicMissing(
-            f"topic(s) {', '.join(sorted(missing))} do not exist; create them with: "
+            f"topic(s) {', '.join(missing)} do not exist; create them with: "
             f"pipeline topics create TOPIC --partitions N"
         )
-    return sorted(partitions)
+    return sorted(TopicPartition(t, p) for t, parts in found.items() for p in parts or [])
 
 
 def create_topic(
-    admin: KafkaAdminClient, topic: str, partitions: int, replication: int = 1
+    admin: KafkaAdminClient,
+    kafka: KafkaSettings,
+    topic: str,
+    partitions: int,
+    replication: int = 1,
 ) -> bool:
     """Creates a topic; False if it already existed with that many partitions."""
-    try:
-        admin.create_topics(
-            {topic: {"num_partitions": partitions, "replication_factor": replication}},
-            timeout_ms=30_000,
-            wait_for_metadata=True,
-        )
-        return True
-    except TopicAlreadyExistsError:
-        existing = len(partitions_of(admin, [topic]))
+
+    def create() -> bool:
+        try:
+            admin.create_topics(
+                {topic: {"num_partitions": partitions, "replication_factor": replication}},
+                timeout_ms=30_000,
+                wait_for_metadata=True,
+            )
+            return True
+        except kerrors.TopicAlreadyExistsError:
+            return False
+
+    created = retrying(create, f"creating topic {topic}", kafka)
+    if not created:
+        existing = len(partitions_of(admin, kafka, [topic]))
         if existing != partitions:
             raise PipelineError(
                 f"topic {topic} already exists with {existing} partitions, not {partitions}"
-            ) from None
-        return False
-    except KafkaError as exc:
-        raise PipelineError(f"creating topic {topic} failed: {exc}") from exc
+            )
+    return created
 
 
-def ensure_topic(admin: KafkaAdminClient, topic: str, partitions: int = 1) -> None:
+def ensure_topic(
+    admin: KafkaAdminClient, kafka: KafkaSettings, topic: str, partitions: int = 1
+) -> None:
     """Creates the topic when it is missing (used for the dead-letter topic)."""
-    if topic not in set(admin.list_topics()):
-        created = create_topic(admin, topic, partitions)
+    if describe_partitions(admin, kafka, [topic])[topic] is None:
+        try:
+            created = create_topic(admin, kafka, topic, partitions)
+        except PipelineError:
+            # Several workers starting together race to create it; one wins.
+            if describe_partitions(admin, kafka, [topic])[topic] is None:
+                raise
+            return
         if created:
             log.info("created topic %s (%d partition(s))", topic, partitions)
 
 
-def group_offsets(admin: KafkaAdminClient, group: str) -> dict[TopicPartition, int]:
+# --------------------------------------------------------------------------- offsets
+
+
+def group_offsets(
+    admin: KafkaAdminClient,
+    kafka: KafkaSettings,
+    group: str,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> dict[TopicPartition, int]:
     """Committed offsets of a group (partitions without a commit are absent)."""
-    try:
-        result: dict[str, dict[TopicPartition, Any]] = admin.list_group_offsets({group: None})
-    except KafkaError as exc:
-        raise PipelineError(f"reading committed offsets of group {group} failed: {exc}") from exc
-    return {tp: meta.offset for tp, meta in result.get(group, {}).items() if meta.offset >= 0}
+    result: dict[str, dict[TopicPartition, Any]] = retrying(
+        lambda: admin.list_group_offsets({group: None}),
+        f"reading committed offsets of group {group}",
+        kafka,
+        deadline_s,
+    )
+    return {
+        tp: meta.offset
+        for tp, meta in result.get(group, {}).items()
+        if meta.offset is not None and meta.offset >= 0
+    }
 
 
 def end_offsets(
-    consumer: KafkaConsumer, partitions: Sequence[TopicPartition]
+    consumer: KafkaConsumer,
+    kafka: KafkaSettings,
+    partitions: Sequence[TopicPartition],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> dict[TopicPartition, int]:
+    """End offsets; with a read_committed consumer, the last stable offsets."""
+    if not partitions:
+        return {}
+    return retrying(
+        lambda: dict(consumer.end_offsets(list(partitions), timeout_ms=10_000)),
+        "reading end offsets",
+        kafka,
+        deadline_s,
+    )
+
+
+def beginning_offsets(
+    consumer: KafkaConsumer,
+    kafka: KafkaSettings,
+    partitions: Sequence[TopicPartition],
+    deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> dict[TopicPartition, int]:
     if not partitions:
         return {}
-    try:
-        return dict(consumer.end_offsets(list(partitions), timeout_ms=30_000))
-    except KafkaError as exc:
-        raise PipelineError(f"reading end offsets failed: {exc}") from exc
+    return retrying(
+        lambda: dict(consumer.beginning_offsets(list(partitions), timeout_ms=10_000)),
+        "reading beginning offsets",
+        kafka,
+        deadline_s,
+    )

@@ -113,11 +113,19 @@ class WorkerConfig:
     id_field: str = "id"
     max_text_bytes: int = 65_536
     until_end: bool = False
+    # Start partitions that this output holds nothing of at the group's committed
+    # offsets (by default that is refused: it would silently leave out every
+    # record before them).
+    from_committed: bool = False
     max_poll_interval_ms: int = 300_000
     session_timeout_ms: int = 45_000
     # How long a revocation waits for in-flight batches; it blocks kafka-python's IO thread.
     revoke_timeout_s: float = 5.0
     index_sync_interval_s: float = 30.0
+    # How long the worker keeps retrying a cluster that does not answer (commits,
+    # dead letters, end checks) before it exits with one line; the consumer
+    # itself reconnects on its own through broker restarts.
+    broker_timeout_s: float = 300.0
     shutdown_timeout_s: float = 60.0
     metrics_port: int | None = None
     progress: bool = True
@@ -137,6 +145,7 @@ class WorkerConfig:
         _check_positive("max in flight", self.max_in_flight)
         _check_positive("max text bytes", self.max_text_bytes)
         _check_positive("max poll interval (ms)", self.max_poll_interval_ms)
+        _check_positive("broker timeout (s)", self.broker_timeout_s)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
         if self.dlq_topic is not None:

@@ -77,6 +77,27 @@ class WorkerMetrics:
             ["topic", "partition"],
             registry=r,
         )
+        self.publish_conflicts = Counter(
+            "pipeline_publish_conflicts",
+            "Segments another worker published first (a stalled worker coming back)",
+            registry=r,
+        )
+        self.quarantined = Counter(
+            "pipeline_quarantined_segments",
+            "Damaged segments moved aside to be read again from Kafka",
+            registry=r,
+        )
+        self.repaired = Counter(
+            "pipeline_repaired_segments",
+            "Damaged segments whose records were read again from Kafka and written anew",
+            registry=r,
+        )
+        self.rebalances = Counter(
+            "pipeline_rebalance_events",
+            "Partition ownership changes seen by this worker, by kind",
+            ["change"],
+            registry=r,
+        )
         self.index_vectors = Gauge(
             "pipeline_index_vectors", "Vectors in the FAISS index after the last sync", registry=r
         )

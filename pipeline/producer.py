@@ -193,7 +193,7 @@ def produce(
 ) -> ProduceResult:
     _check_codec(compression)
     with cluster.admin_client(kafka) as admin:
-        partitions = len(cluster.partitions_of(admin, [topic]))
+        partitions = len(cluster.partitions_of(admin, kafka, [topic]))
     producer = _producer(kafka, compression)
     deliveries = Deliveries(kafka.bootstrap_servers)
     publisher = Publisher(producer, topic, partitions, key_field, deliveries)

@@ -281,7 +281,7 @@ def create_topic(kafka: KafkaSettings, partitions: int) -> str:
 
     topic = f"bench-{uuid.uuid4().hex[:10]}"
     with cluster.admin_client(kafka) as admin:
-        cluster.create_topic(admin, topic, partitions)
+        cluster.create_topic(admin, kafka, topic, partitions)
     return topic
 
 
@@ -313,9 +313,9 @@ def check_published(kafka: KafkaSettings, topic: str, expected: int) -> None:
     from pipeline import cluster
 
     with cluster.admin_client(kafka) as admin:
-        partitions = cluster.partitions_of(admin, [topic])
+        partitions = cluster.partitions_of(admin, kafka, [topic])
     with cluster.offsets_consumer(kafka) as consumer:
-        total = sum(cluster.end_offsets(consumer, partitions).values())
+        total = sum(cluster.end_offsets(consumer, kafka, partitions).values())
     if total != expected:
         raise BenchError(f"topic {topic} holds {total} records after publishing {expected}")
 

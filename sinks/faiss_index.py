@@ -3,8 +3,11 @@
 The index is derived data: the Parquet files are the truth, and `IndexStore.sync()`
 adds whatever finished files hold beyond what the index covers. Coverage is a
 last offset per (topic, partition), saved beside the index in `index.json`; since
-a partition's files are published in offset order, everything up to that offset
-is in the index and nothing past it is.
+a partition's segments tile its offsets, everything up to that offset is in the
+index and nothing past it is. Only rows past the coverage are added, so segments
+that overlap (written by older versions) still give one entry per record. A
+damaged segment stops its partition's coverage (with a warning) until a worker
+repairs it; the other partitions go on.
 
 Each vector's id is derived from its record, so the same record can never get
 two entries:  id = topic_no << 56 | partition << 40 | offset, with topic_no a
@@ -37,16 +40,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import IndexStateError, OutputError
 from sinks.layout import (
     INDEX_META_FILE,
-    SegmentName,
+    SegmentFile,
+    TopicPartitionKey,
     index_dir,
-    iter_segments,
+    segments_by_partition,
 )
 from sinks.parquet import fsync_dir, output_error
+from sinks.segments import DamagedSegment, last_offset, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +141,8 @@ class IndexStore:
         self.index_type = index_type
         self._index: Any = None
         self._meta: IndexMeta | None = None
+        self.damaged: list[DamagedSegment] = []  # skipped by the last sync or rebuild
+        self._warned: set[Path] = set()
         # Topic numbers, generation and file of the index a rebuild replaces.
         self._carried: tuple[dict[str, int], int, str] = ({}, 0, "")
 
@@ -146,6 +154,7 @@ class IndexStore:
 
     def sync(self) -> int:
         """Adds the vectors of finished files past the covered offsets; returns how many."""
+        self.damaged = []
         with self._locked():
             self._load_if_changed()
             added = self._add_new_segments()
@@ -169,6 +178,7 @@ class IndexStore:
                 else ({}, 0, "")
             )
             self._index, self._meta = None, None
+            self.damaged = []
             self._add_new_segments(train=self.index_type == "ivf")
             if self._meta is None:
                 raise IndexStateError(f"no Parquet files under {self.output}/vectors to index")
@@ -176,42 +186,83 @@ class IndexStore:
             return self._meta.count
 
     def _add_new_segments(self, train: bool = False) -> int:
-        pending = list(self._pending_segments())
-        if not pending:
+        pending = self._pending_segments()
+        if not any(pending.values()):
             return 0
         if train:
-            self._train_ivf([path for _, path in pending])
+            self._train_ivf([s.path for segments in pending.values() for s in segments])
         added = 0
-        for name, path in pending:
-            added += self._add_segment(name, path)
+        for segments in pending.values():
+            for segment in segments:
+                try:
+                    added += self._add_segment(segment)
+                except DamagedSegment as damaged:
+                    self._skip_damaged(damaged)
+                    break  # coverage stops here until a worker repairs it
+                except FileNotFoundError:
+                    break  # moved aside meanwhile
         return added
 
-    def _pending_segments(self) -> Iterator[tuple[SegmentName, Path]]:
+    def _pending_segments(self) -> dict[TopicPartitionKey, list[SegmentFile]]:
+        """Per partition, the segments that may hold rows past the index's coverage."""
         covered = self._meta.covered if self._meta else {}
-        for name, path in iter_segments(self.output):
-            last = covered.get(_key(name.topic, name.partition), -1)
-            if name.last <= last:
-                continue
-            if name.first <= last:
-                raise IndexStateError(
-                    f"{path.name} overlaps what the index covers (through offset {last}); "
-                    f"run: pipeline index rebuild --output {self.output}"
-                )
-            yield name, path
+        pending: dict[TopicPartitionKey, list[SegmentFile]] = {}
+        for key, segments in segments_by_partition(self.output).items():
+            through = covered.get(_key(*key), -1)
+            later = [s for s in segments if s.key.first > through]
+            earlier = [s for s in segments if s.key.first <= through]
+            # The last segment starting inside the coverage may run past it (one
+            # written again after its partition's damaged last segment).
+            if earlier and self._runs_past(earlier[-1], through):
+                later.insert(0, earlier[-1])
+            pending[key] = later
+        return pending
 
-    def _add_segment(self, name: SegmentName, path: Path) -> int:
-        table = pq.read_table(path, columns=["offset", "embedding"])
-        vectors = _vectors(table)
-        meta = self._ensure(vectors.shape[1] if len(vectors) else None, path)
-        key = _key(name.topic, name.partition)
+    def _runs_past(self, segment: SegmentFile, through: int) -> bool:
+        try:
+            return last_offset(segment) > through
+        except (DamagedSegment, FileNotFoundError):
+            return False  # not readable now; a worker repairs it
+
+    def _add_segment(self, segment: SegmentFile) -> int:
+        table, info = read_rows(segment, ["offset", "embedding"])
+        meta = self._ensure(_list_size(table), segment.path)
+        key = _key(*segment.key.partition_key)
+        through = meta.covered.get(key, -1)
+        offsets = table.column("offset").to_numpy().astype(np.int64)
+        fresh = offsets > through
+        vectors = _vectors(table)[fresh] if len(offsets) else _vectors(table)
         if len(vectors):
-            topic_no = meta.topic_no(name.topic)
-            base = encode_id(topic_no, name.partition, 0)
-            offsets = table.column("offset").to_numpy().astype(np.int64)
-            self._index.add_with_ids(vectors, base | offsets)
+            base = encode_id(meta.topic_no(segment.key.topic), segment.key.partition, 0)
+            self._index.add_with_ids(np.ascontiguousarray(vectors), base | offsets[fresh])
             meta.entries[key] = meta.entries.get(key, 0) + len(vectors)
-        meta.covered[key] = name.last
+        meta.covered[key] = max(through, info.last)
         return len(vectors)
+
+    def _skip_damaged(self, damaged: DamagedSegment) -> None:
+        self.damaged.append(damaged)
+        if damaged.segment.path not in self._warned:
+            self._warned.add(damaged.segment.path)
+            log.warning(
+                "index: skipping %s and the rest of its partition (%s); a worker starting "
+                "moves it aside and reads its records again from Kafka",
+                damaged.segment.path.name,
+                damaged.reason,
+            )
+
+    def coverage(self) -> dict[TopicPartitionKey, int]:
+        """The last offset indexed per partition, as saved (empty without an index)."""
+        try:
+            saved = self._saved_meta()
+        except IndexStateError:
+            return {}
+        if saved is None:
+            return {}
+        found = {}
+        for name, last in saved.covered.items():
+            topic, _, partition = name.rpartition(":")
+            found[(topic, int(partition))] = last
+        return found
 
     def _ensure(self, dim: int | None, path: Path) -> IndexMeta:
         if self._meta is None:
@@ -243,9 +294,13 @@ class IndexStore:
     def _train_ivf(self, paths: list[Path]) -> None:
         import faiss
 
-        sample = np.concatenate(
-            [_vectors(pq.read_table(p, columns=["embedding"])) for p in paths[:200]]
-        )
+        tables = []
+        for path in paths[:200]:
+            try:
+                tables.append(_vectors(pq.read_table(path, columns=["embedding"])))
+            except (OSError, pa.ArrowException):
+                continue  # damaged: skipped (with a warning) when the vectors are added
+        sample = np.concatenate([t for t in tables if len(t)] or [np.empty((0, 1), np.float32)])
         if len(sample) < 64:
             raise IndexStateError("an IVF index needs at least 64 vectors; use the flat index")
         dim = sample.shape[1]
@@ -390,6 +445,12 @@ def _vectors(table: Any) -> np.ndarray:
         return np.empty((0, 0), dtype=np.float32)
     dim = column.type.list_size
     return column.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32)
+
+
+def _list_size(table: Any) -> int | None:
+    if table.num_rows == 0:
+        return None
+    return int(table.schema.field("embedding").type.list_size)
 
 
 def _dim_from_schema(path: Path) -> int:

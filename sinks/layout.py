@@ -1,50 +1,78 @@
-"""Where things live in an output directory, and how file names encode coverage.
+"""Where things live in an output directory, and what a segment's name claims.
 
-    DIR/vectors/<topic>-p<partition:05d>-<first:020d>-<last:020d>.parquet
-    DIR/index/index.json -> DIR/index/index-<generation>.faiss (see sinks.faiss_index)
+    DIR/vectors/<topic>-p<partition:05d>-<first:020d>.parquet   segments
+    DIR/quarantine/                                             damaged segments, moved aside
+    DIR/index/index.json -> DIR/index/index-<generation>.faiss  (see sinks.faiss_index)
 
-A Parquet file covers every offset from `first` to `last` of one partition: its
+A segment covers every offset from its first to its last of one partition: its
 rows are the good records in that range; the bad ones went to the dead-letter
-topic. (A range with only bad records gives a file with no rows, so that the
-output directory alone says how far each partition was processed.) Files that
-are still being written end in `.tmp`, never in `.parquet`.
+topic, and offsets without a record (transaction markers, compacted records)
+are covered too. Consecutive segments of a partition tile its offsets, so the
+output directory alone says how far each partition was processed. (A range with
+no good record gives a segment with no rows.)
+
+The name holds only the first offset, and that is deliberate: publishing is a
+create-if-absent of that name, so two writers that both believe they own a
+partition (a stalled worker that comes back, and the new owner) race for the
+same name and exactly one wins. The last offset is in the file's metadata.
+Names from before this scheme (`<first>-<last>.parquet`) are still read.
+
+Files still being written start with a dot and end in `.tmp`, never `.parquet`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 VECTORS_DIR = "vectors"
 INDEX_DIR = "index"
+QUARANTINE_DIR = "quarantine"
 INDEX_META_FILE = "index.json"
 TMP_SUFFIX = ".tmp"
 _NAME = re.compile(
-    r"^(?P<topic>.+)-p(?P<partition>\d{5})-(?P<first>\d{20})-(?P<last>\d{20})\.parquet$"
+    r"^(?P<topic>.+)-p(?P<partition>\d{5})-(?P<first>\d{20})(?:-(?P<last>\d{20}))?\.parquet$"
 )
+
+TopicPartitionKey = tuple[str, int]
 
 
 @dataclass(frozen=True, order=True)
-class SegmentName:
-    """The coverage a Parquet file name records: offsets first..last of one partition."""
+class SegmentKey:
+    """What publishing a segment claims: offsets of one partition from `first` on."""
 
     topic: str
     partition: int
     first: int
-    last: int
 
     @property
     def filename(self) -> str:
-        return f"{self.topic}-p{self.partition:05d}-{self.first:020d}-{self.last:020d}.parquet"
+        return f"{self.topic}-p{self.partition:05d}-{self.first:020d}.parquet"
+
+    @property
+    def partition_key(self) -> TopicPartitionKey:
+        return (self.topic, self.partition)
+
+
+@dataclass(frozen=True, order=True)
+class SegmentFile:
+    """A finished segment in the directory; `named_last` only for legacy names."""
+
+    key: SegmentKey
+    path: Path
+    named_last: int | None = None
 
     @classmethod
-    def parse(cls, filename: str) -> SegmentName | None:
-        match = _NAME.match(filename)
+    def parse(cls, path: Path) -> SegmentFile | None:
+        match = _NAME.match(path.name)
         if match is None:
             return None
-        return cls(match["topic"], int(match["partition"]), int(match["first"]), int(match["last"]))
+        key = SegmentKey(match["topic"], int(match["partition"]), int(match["first"]))
+        last = match["last"]
+        return cls(key, path, int(last) if last is not None else None)
 
 
 def vectors_dir(output: Path) -> Path:
@@ -55,21 +83,28 @@ def index_dir(output: Path) -> Path:
     return output / INDEX_DIR
 
 
-def iter_segments(output: Path) -> Iterator[tuple[SegmentName, Path]]:
-    """Every finished Parquet file of the output directory, in name order."""
+def quarantine_dir(output: Path) -> Path:
+    return output / QUARANTINE_DIR
+
+
+def iter_segments(output: Path) -> Iterator[SegmentFile]:
+    """Every finished segment of the output directory, in name order."""
     directory = vectors_dir(output)
     if not directory.is_dir():
         return
-    for path in sorted(directory.iterdir()):
-        name = SegmentName.parse(path.name)
-        if name is not None:
-            yield name, path
+    found = (SegmentFile.parse(path) for path in directory.iterdir())
+    yield from sorted(s for s in found if s is not None)
 
 
-def written_high_offsets(output: Path) -> dict[tuple[str, int], int]:
-    """The last offset covered by finished files, per (topic, partition)."""
-    high: dict[tuple[str, int], int] = {}
-    for name, _ in iter_segments(output):
-        key = (name.topic, name.partition)
-        high[key] = max(high.get(key, -1), name.last)
-    return high
+def segments_by_partition(
+    output: Path, topics: Iterable[str] | None = None
+) -> dict[TopicPartitionKey, list[SegmentFile]]:
+    """Finished segments per (topic, partition), in offset order."""
+    wanted = set(topics) if topics is not None else None
+    grouped: dict[TopicPartitionKey, list[SegmentFile]] = defaultdict(list)
+    for segment in iter_segments(output):
+        if wanted is None or segment.key.topic in wanted:
+            grouped[segment.key.partition_key].append(segment)
+    for segments in grouped.values():
+        segments.sort(key=lambda s: (s.key.first, s.named_last or 0))
+    return dict(grouped)

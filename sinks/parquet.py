@@ -1,10 +1,13 @@
-"""Parquet sink: one file per (partition, offset range) of a micro-batch, written
-durably and published atomically.
+"""Parquet sink: one segment per (partition, offset range) of a micro-batch,
+written durably and published atomically, at most once per name.
 
 Publishing is two-phase so the committer can slot the dead-letter flush in
-between: `stage()` writes `<hidden name>.tmp` and fsyncs it; `publish()` renames
-it to its final `.parquet` name and fsyncs the directory. Only a published file
-counts, and a published file is never rewritten.
+between: `stage()` writes `<hidden name>.tmp` and fsyncs it; `publish()` links
+it to its final `.parquet` name only if that name does not exist yet (a
+create-if-absent, never a rename over), then fsyncs the directory. A segment's
+name is its first offset (see `sinks.layout`), so when two writers believe they
+own a partition, exactly one of them publishes the range starting there and the
+other learns it lost. A published file is never rewritten.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,8 @@ import pyarrow.parquet as pq
 from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
 from pipeline.records import GoodRecord
-from sinks.layout import TMP_SUFFIX, SegmentName, vectors_dir
+from sinks.layout import TMP_SUFFIX, SegmentKey, vectors_dir
+from sinks.segments import segment_metadata
 
 # Codec chosen by measurement (2,000 docstring paragraphs, 384-d float32, pyarrow 26):
 # none 2.22 MB, snappy 2.09 MB, lz4 2.08 MB, zstd 1.90 MB, and zstd with
@@ -37,6 +42,10 @@ _HOST = socket.gethostname().replace(".", "_")
 # Distinguishes this process from an earlier one with the same pid (pid 1 in containers).
 _TOKEN = os.urandom(4).hex()
 _WRITER = f"{_HOST}.{os.getpid()}.{_TOKEN}"
+# A temp file this old is garbage whoever wrote it: a live writer stages and
+# publishes within seconds. (Removing a live writer's file is safe anyway: its
+# publish then fails like a lost race, and the range is written again.)
+STALE_TEMP_AGE_S = 15 * 60
 
 
 def schema(dim: int) -> pa.Schema:
@@ -57,7 +66,8 @@ def schema(dim: int) -> pa.Schema:
 
 @dataclass(frozen=True)
 class StagedFile:
-    name: SegmentName
+    key: SegmentKey
+    last: int
     tmp_path: Path
     final_path: Path
     rows: int
@@ -66,9 +76,8 @@ class StagedFile:
 class ParquetSink:
     def __init__(self, output: Path, model: ModelInfo) -> None:
         self.directory = vectors_dir(output)
-        self._schema = schema(model.dim).with_metadata(
-            {f"embedding.{k}": v for k, v in model.as_metadata().items()}
-        )
+        self._model_metadata = {f"embedding.{k}": v for k, v in model.as_metadata().items()}
+        self._schema = schema(model.dim)
         self._dim = model.dim
 
     def prepare(self) -> int:
@@ -83,11 +92,19 @@ class ParquetSink:
         return remove_stale_temp_files(self.directory)
 
     def stage(
-        self, name: SegmentName, records: Sequence[GoodRecord], vectors: np.ndarray
+        self,
+        key: SegmentKey,
+        last: int,
+        records: Sequence[GoodRecord],
+        vectors: np.ndarray,
+        consumed: int,
+        start: str | None = None,
     ) -> StagedFile:
-        final = self.directory / name.filename
-        tmp = self.directory / f".{name.filename}.{_WRITER}{TMP_SUFFIX}"
-        table = self._table(records, vectors)
+        """Writes offsets key.first..last (`consumed` records, the good ones given) aside."""
+        final = self.directory / key.filename
+        tmp = self.directory / f".{key.filename}.{_WRITER}{TMP_SUFFIX}"
+        metadata = segment_metadata(key.first, last, consumed, _WRITER, start)
+        table = self._table(records, vectors, {**self._model_metadata, **metadata})
         try:
             with open(tmp, "wb") as fh:
                 pq.write_table(
@@ -102,20 +119,44 @@ class ParquetSink:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise output_error(exc, tmp) from exc
-        return StagedFile(name, tmp, final, table.num_rows)
+        return StagedFile(key, last, tmp, final, table.num_rows)
 
-    def publish(self, staged: StagedFile) -> None:
+    def publish(self, staged: StagedFile) -> bool:
+        """Publishes the staged file under its final name unless that name exists.
+
+        False when another writer published a segment starting at the same
+        offset first (or cleaned this temp file away): the caller must then
+        treat the partition's position as unknown and read it from the directory.
+        """
         try:
-            os.rename(staged.tmp_path, staged.final_path)
+            os.link(staged.tmp_path, staged.final_path)
+        except FileExistsError:
+            staged.tmp_path.unlink(missing_ok=True)
+            return False
+        except FileNotFoundError:
+            return False  # removed as stale while this writer was stopped
+        except OSError as exc:
+            staged.tmp_path.unlink(missing_ok=True)
+            if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+                raise OutputError(
+                    f"the filesystem of {self.directory} does not support hard links, which "
+                    "publishing needs (create-if-absent); use a local or NFS directory"
+                ) from exc
+            raise output_error(exc, staged.final_path) from exc
+        try:
+            staged.tmp_path.unlink()
             fsync_dir(self.directory)
         except OSError as exc:
             raise output_error(exc, staged.final_path) from exc
+        return True
 
     @staticmethod
     def discard(staged: StagedFile) -> None:
         staged.tmp_path.unlink(missing_ok=True)
 
-    def _table(self, records: Sequence[GoodRecord], vectors: np.ndarray) -> pa.Table:
+    def _table(
+        self, records: Sequence[GoodRecord], vectors: np.ndarray, metadata: dict[str, str]
+    ) -> pa.Table:
         sources = [r.source for r in records]
         flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).ravel(), pa.float32())
         columns = [
@@ -129,7 +170,7 @@ class ParquetSink:
             pa.array([r.metadata for r in records], pa.string()),
             pa.FixedSizeListArray.from_arrays(flat, self._dim),
         ]
-        return pa.Table.from_arrays(columns, schema=self._schema)
+        return pa.Table.from_arrays(columns, schema=self._schema.with_metadata(metadata))
 
 
 def fsync_dir(directory: Path) -> None:
@@ -140,15 +181,23 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def remove_stale_temp_files(directory: Path) -> int:
-    """Removes temp files whose writer is dead; live writers' files are left alone.
+def remove_stale_temp_files(directory: Path, max_age_s: float = STALE_TEMP_AGE_S) -> int:
+    """Removes temp files whose writer is dead or that are older than `max_age_s`.
 
-    Several workers may share one output directory, so a temp file is only
-    garbage when the process that named it (host, pid) no longer runs.
+    Several workers may share one output directory, on one machine or several
+    (containers change their hostname on every start): a temp file of this
+    host is garbage once its process is gone; any temp file is garbage once it
+    is older than any live write takes.
     """
     removed = 0
+    now = time.time()
     for path in directory.glob(f".*{TMP_SUFFIX}"):
-        if not _writer_is_dead(path.name[: -len(TMP_SUFFIX)].rsplit(".", 3)[1:]):
+        writer = path.name[: -len(TMP_SUFFIX)].rsplit(".", 3)[1:]
+        try:
+            old = now - path.stat().st_mtime > max_age_s
+        except FileNotFoundError:
+            continue  # published or removed meanwhile
+        if not (old or _writer_is_dead(writer)):
             continue
         path.unlink(missing_ok=True)
         removed += 1
@@ -160,7 +209,7 @@ def _writer_is_dead(writer: list[str]) -> bool:
         return True  # not a name this sink makes
     host, pid, token = writer[0], int(writer[1]), writer[2]
     if host != _HOST:
-        return False  # another machine's writer: it cleans its own files
+        return False  # another host's writer: only age tells (see remove_stale_temp_files)
     if pid == os.getpid():
         return token != _TOKEN
     return not _alive(pid)

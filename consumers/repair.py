@@ -1,0 +1,210 @@
+"""Damaged outputs, mended at start-up before the worker joins its group.
+
+1. Segments the index has not read yet (and each partition's last one) get
+   their footer checked; a damaged one is moved into `DIR/quarantine/` with a
+   note of the range it held (`sinks.segments.quarantine`), and counted.
+2. Each pending note's range is read again from Kafka, embedded, and written
+   as a new segment under the same name (create-if-absent: when several
+   workers start together, one of them writes it). Its bad records are not
+   dead-lettered again: they were, before the damaged segment was published.
+   A range Kafka no longer retains is reported on one error line naming the
+   file and the offsets, and the note is marked lost (`pipeline audit` lists
+   the offsets); the worker goes on.
+
+A damaged last segment whose range cannot be known yet (nothing after it, no
+commit past it) needs no repair here: its partition's next owner starts at its
+first offset, since the segments before it end there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import kafka.errors as kerrors
+from kafka import KafkaConsumer, TopicPartition
+
+from pipeline import cluster
+from pipeline.config import KafkaSettings, WorkerConfig
+from pipeline.embedder import Embedder
+from pipeline.host import call_on_fresh_thread
+from pipeline.records import GoodRecord, RecordParser, SourceRecord
+from sinks.faiss_index import IndexStore
+from sinks.layout import SegmentKey, TopicPartitionKey, segments_by_partition
+from sinks.parquet import ParquetSink
+from sinks.segments import (
+    DamagedSegment,
+    QuarantineNote,
+    pending_notes,
+    quarantine,
+    read_info,
+    save_note,
+)
+
+log = logging.getLogger(__name__)
+
+_READ_DEADLINE_S = 120.0
+
+
+@dataclass
+class RepairReport:
+    quarantined: int = 0
+    repaired: int = 0
+    lost: int = 0
+
+
+def repair_outputs(
+    config: WorkerConfig,
+    embedder: Embedder,
+    parser: RecordParser,
+    sink: ParquetSink,
+    index: IndexStore,
+    committed: dict[TopicPartitionKey, int],
+) -> RepairReport:
+    report = RepairReport()
+    report.quarantined = quarantine_damaged(config, index)
+    for note in pending_notes(config.output):
+        if note.topic not in config.topics:
+            continue
+        outcome = _repair(config, embedder, parser, sink, note, committed)
+        if outcome == "repaired":
+            report.repaired += 1
+        elif outcome == "lost":
+            report.lost += 1
+    return report
+
+
+def quarantine_damaged(config: WorkerConfig, index: IndexStore) -> int:
+    """Checks the footers of segments past the index's coverage; moves damaged ones aside."""
+    covered = index.coverage()
+    moved = 0
+    for key, segments in segments_by_partition(config.output, config.topics).items():
+        through = covered.get(key, -1)
+        newest = segments[-1]
+        for segment in segments:
+            if segment.key.first <= through and segment is not newest:
+                continue
+            try:
+                read_info(segment)
+            except FileNotFoundError:
+                continue  # moved aside by another worker starting together
+            except DamagedSegment as damaged:
+                if quarantine(config.output, segment, damaged.reason) is not None:
+                    moved += 1
+    return moved
+
+
+def _repair(
+    config: WorkerConfig,
+    embedder: Embedder,
+    parser: RecordParser,
+    sink: ParquetSink,
+    note: QuarantineNote,
+    committed: dict[TopicPartitionKey, int],
+) -> str:
+    key = SegmentKey(note.topic, note.partition, note.first)
+    if (sink.directory / key.filename).exists():
+        return _close(config, note, "repaired")  # its range was written again meanwhile
+    last = _range_end(config, note, committed)
+    if last is None:
+        return "pending"
+    tp = TopicPartition(note.topic, note.partition)
+    with cluster.offsets_consumer(config.kafka) as reader:
+        beginning = cluster.beginning_offsets(reader, config.kafka, [tp])[tp]
+        if note.first < beginning:
+            log.error(
+                "damaged segment %s held %s[%d] offsets %d..%d, which Kafka no longer retains "
+                "(the partition now starts at %d): those records are lost from the output; "
+                "restore the file from a backup into %s to recover them",
+                note.file,
+                note.topic,
+                note.partition,
+                note.first,
+                last,
+                beginning,
+                sink.directory,
+            )
+            return _close(config, note, "lost")
+        sources = read_range(reader, config.kafka, tp, note.first, last)
+    parsed = [parser.parse(s) for s in sources]
+    good = [p for p in parsed if isinstance(p, GoodRecord)]
+    # A thread of its own, like the model load: the embed stage keeps the only OpenMP team.
+    vectors = call_on_fresh_thread(lambda: embedder.embed([g.text for g in good]), "repair")
+    staged = sink.stage(key, last, good, vectors, consumed=len(sources))
+    published = sink.publish(staged)
+    log.warning(
+        "damaged segment %s: %s[%d] offsets %d..%d read again from Kafka and %s (%d rows)",
+        note.file,
+        note.topic,
+        note.partition,
+        note.first,
+        last,
+        "written" if published else "written by another worker",
+        len(good),
+    )
+    return _close(config, note, "repaired")
+
+
+def _range_end(
+    config: WorkerConfig, note: QuarantineNote, committed: dict[TopicPartitionKey, int]
+) -> int | None:
+    """The last offset the damaged segment held, if it can be known."""
+    if note.last is not None:
+        return note.last
+    key = (note.topic, note.partition)
+    later = [
+        s.key.first
+        for s in segments_by_partition(config.output, [note.topic]).get(key, [])
+        if s.key.first > note.first
+    ]
+    if later:
+        return min(later) - 1
+    # Nothing after it: the group's commit says how far it was published.
+    commit = committed.get(key)
+    if commit is not None and commit > note.first:
+        return commit - 1
+    return None
+
+
+def _close(config: WorkerConfig, note: QuarantineNote, outcome: str) -> str:
+    note.repaired = outcome == "repaired"
+    note.lost = outcome == "lost"
+    save_note(config.output, note)
+    return outcome
+
+
+def read_range(
+    consumer: KafkaConsumer, kafka: KafkaSettings, tp: TopicPartition, first: int, last: int
+) -> list[SourceRecord]:
+    """Every committed record of `tp` from `first` to `last`, with a read_committed consumer."""
+    consumer.assign([tp])
+    consumer.seek(tp, first)
+    records: list[SourceRecord] = []
+    deadline = time.monotonic() + _READ_DEADLINE_S
+    while (consumer.position(tp, timeout_ms=5_000) or first) <= last:
+        if time.monotonic() > deadline:
+            raise cluster.unreachable(kafka, what=f"reading {tp.topic}[{tp.partition}] again")
+        polled = consumer.poll(timeout_ms=500)
+        for batch in polled.values():
+            records += [
+                SourceRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value)
+                for r in batch
+                if first <= r.offset <= last
+            ]
+    return records
+
+
+def fails_to_decode(kafka: KafkaSettings, tp: TopicPartition, position: int) -> bool:
+    """Whether fetching `tp` from `position` fails to decode (to name it in an error)."""
+    try:
+        with cluster.offsets_consumer(kafka) as probe:
+            probe.assign([tp])
+            probe.seek(tp, position)
+            for _ in range(6):
+                probe.poll(timeout_ms=500, max_records=1)
+    except (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError):
+        return True
+    except Exception:  # the probe is a diagnosis: anything else says nothing
+        return False
+    return False

@@ -1,0 +1,213 @@
+"""What a segment says about itself, and what to do with one that is damaged.
+
+A segment's Parquet footer records the offset range it covers and how many
+records the worker consumed in it (`segment.*` key-value metadata), so that the
+range can be read without reading the rows. A segment whose footer cannot be
+read (truncated, overwritten, not Parquet) is *damaged*: workers move it aside
+into `DIR/quarantine/` with a JSON note of the range it held, and the range is
+read again from Kafka (see `consumers.repair`). Readers (the index, status,
+audit) skip damaged segments with a warning and never crash on them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import OutputError
+from sinks.layout import SegmentFile, quarantine_dir
+
+log = logging.getLogger(__name__)
+
+META_PREFIX = "segment."
+# How a partition's first segment came to start where it does, when that is not
+# where the partition (or the previous segment) ends: the user chose it.
+START_FROM_COMMITTED = "from-committed"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    file: SegmentFile
+    first: int
+    last: int
+    rows: int
+    records: int | None  # records consumed in the range, good and bad (None: legacy file)
+    start: str | None = None
+
+    @property
+    def dead_lettered(self) -> int | None:
+        return None if self.records is None else self.records - self.rows
+
+
+class DamagedSegment(OutputError):
+    """A finished segment whose footer cannot be read."""
+
+    def __init__(self, segment: SegmentFile, reason: str) -> None:
+        super().__init__(f"damaged segment {segment.path}: {reason}")
+        self.segment = segment
+        self.reason = reason
+
+
+def segment_metadata(
+    first: int, last: int, records: int, writer: str, start: str | None = None
+) -> dict[str, str]:
+    meta = {
+        f"{META_PREFIX}first_offset": str(first),
+        f"{META_PREFIX}last_offset": str(last),
+        f"{META_PREFIX}records": str(records),
+        f"{META_PREFIX}writer": writer,
+    }
+    if start is not None:
+        meta[f"{META_PREFIX}start"] = start
+    return meta
+
+
+def read_info(segment: SegmentFile) -> SegmentInfo:
+    """The segment's range and counts, from its footer; DamagedSegment if unreadable."""
+    try:
+        footer = pq.read_metadata(segment.path)
+    except FileNotFoundError:
+        raise
+    except (OSError, pa.ArrowException) as exc:
+        raise DamagedSegment(segment, str(exc)) from exc
+    return info_from_metadata(segment, footer.metadata, footer.num_rows)
+
+
+def info_from_metadata(
+    segment: SegmentFile, metadata: Mapping[bytes, bytes] | None, rows: int
+) -> SegmentInfo:
+    """The segment's range and counts from its key-value metadata (footer or schema)."""
+    raw = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
+    first_text = raw.get(f"{META_PREFIX}first_offset")
+    last_text = raw.get(f"{META_PREFIX}last_offset")
+    if first_text is None or last_text is None:
+        if segment.named_last is None:
+            raise DamagedSegment(segment, "no segment range in its metadata")
+        return SegmentInfo(segment, segment.key.first, segment.named_last, rows, None)
+    first, last = int(first_text), int(last_text)
+    if first != segment.key.first or last < first:
+        raise DamagedSegment(segment, f"metadata range {first}..{last} does not match its name")
+    records = int(raw.get(f"{META_PREFIX}records", rows))
+    return SegmentInfo(segment, first, last, rows, records, raw.get(f"{META_PREFIX}start"))
+
+
+def read_rows(segment: SegmentFile, columns: Sequence[str]) -> tuple[pa.Table, SegmentInfo]:
+    """The segment's columns and range; DamagedSegment if it cannot be read."""
+    try:
+        table = pq.read_table(segment.path, columns=list(columns))
+    except FileNotFoundError:
+        raise
+    except (OSError, pa.ArrowException) as exc:
+        raise DamagedSegment(segment, str(exc)) from exc
+    return table, info_from_metadata(segment, table.schema.metadata, table.num_rows)
+
+
+def last_offset(segment: SegmentFile) -> int:
+    """The last offset a segment covers (legacy names say it; new ones need the footer)."""
+    if segment.named_last is not None:
+        return segment.named_last
+    return read_info(segment).last
+
+
+def covered_through(segments: Sequence[SegmentFile]) -> int | None:
+    """The last offset the partition's segments cover; None when there are none.
+
+    Only the segment with the highest first offset needs its footer read, since
+    segments tile; legacy names (which carry their last offset) are taken as
+    they are, overlaps included. A damaged last segment raises DamagedSegment.
+    """
+    if not segments:
+        return None
+    high = max((s.named_last for s in segments if s.named_last is not None), default=None)
+    newest = max(segments, key=lambda s: s.key.first)
+    last = last_offset(newest)
+    return last if high is None else max(high, last)
+
+
+# --------------------------------------------------------------------------- quarantine
+
+
+@dataclass
+class QuarantineNote:
+    """What a damaged segment held, kept beside it so that its range can be read again."""
+
+    file: str
+    topic: str
+    partition: int
+    first: int
+    last: int | None  # known when the footer was readable, else found from neighbours
+    reason: str
+    moved_at: float
+    repaired: bool = False
+    lost: bool = False  # Kafka no longer retains the range
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> QuarantineNote:
+        data: Mapping[str, object] = json.loads(text)
+        return cls(**data)  # type: ignore[arg-type]
+
+
+def quarantine(output: Path, segment: SegmentFile, reason: str) -> QuarantineNote | None:
+    """Moves a damaged segment into DIR/quarantine/ with a note; None if it is already gone."""
+    directory = quarantine_dir(output)
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.urandom(3).hex()}"
+    destination = directory / f"{segment.path.name}.{stamp}"
+    try:
+        os.rename(segment.path, destination)
+    except FileNotFoundError:
+        return None  # another worker moved it first
+    except OSError as exc:
+        raise OutputError(f"cannot move damaged segment {segment.path} aside: {exc}") from exc
+    note = QuarantineNote(
+        file=destination.name,
+        topic=segment.key.topic,
+        partition=segment.key.partition,
+        first=segment.key.first,
+        last=segment.named_last,
+        reason=reason,
+        moved_at=time.time(),
+    )
+    save_note(output, note)
+    log.warning(
+        "damaged segment %s (%s) moved to %s; its records will be read again from Kafka",
+        segment.path.name,
+        reason,
+        destination,
+    )
+    return note
+
+
+def save_note(output: Path, note: QuarantineNote) -> None:
+    path = quarantine_dir(output) / f"{note.file}.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(note.to_json(), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def pending_notes(output: Path) -> list[QuarantineNote]:
+    """Notes of damaged segments whose range has not been read again yet."""
+    directory = quarantine_dir(output)
+    if not directory.is_dir():
+        return []
+    notes = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            note = QuarantineNote.from_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("unreadable quarantine note %s: %s", path, exc)
+            continue
+        if not note.repaired and not note.lost:
+            notes.append(note)
+    return notes
