@@ -69,12 +69,6 @@ class MicroBatch:
         else:
             span[1] = max(span[1], last)
 
-    def consumed(self, key: TopicPartitionKey) -> int:
-        """Records of the partition in this batch, good and bad."""
-        return sum(1 for r in self.good if _key(r) == key) + sum(
-            1 for b in self.bad if _key(b) == key
-        )
-
     def without(self, dropped: set[TopicPartitionKey]) -> MicroBatch:
         """A copy without the records of the given partitions."""
         keep = [i for i, r in enumerate(self.good) if _key(r) not in dropped]

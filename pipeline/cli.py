@@ -8,13 +8,14 @@ table sets that command's options.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,17 +51,43 @@ def env_option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
 
 
 class PipelineGroup(click.Group):
-    """Turns expected failures into one line on stderr and a non-zero exit code."""
+    """Turns expected failures into one line on stderr and an exit code outside 0-4.
+
+    0-4 are findings (`status` verdicts, `audit` results), so nothing operational
+    may use them: click's usage errors (exit 2 by default) exit 64 (EX_USAGE),
+    like a ConfigError, and PipelineErrors exit with their own sysexits code.
+    """
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        # The global options are parsed here, before invoke().
+        with _usage_exit_code():
+            return super().make_context(info_name, args, parent, **extra)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with _usage_exit_code():
+                return super().invoke(ctx)
         except PipelineError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
+
+
+@contextlib.contextmanager
+def _usage_exit_code() -> Iterator[None]:
+    try:
+        yield
+    except click.UsageError as exc:  # BadParameter, MissingParameter, NoSuchOption, ...
+        exc.exit_code = ConfigError.exit_code
+        raise
 
 
 @click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -380,8 +407,10 @@ def _install_signal_handlers(shutdown: threading.Event) -> None:
     "--output",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Also compare rows and index entries with the committed offsets.",
+    help="Also check that the output's segments account for every committed offset "
+    "(verdict MISMATCH, exit 4, when not) and compare index entries with rows.",
 )
+@env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 @click.option(
     "--watch",
@@ -396,19 +425,61 @@ def status(
     group: str,
     topic: tuple[str, ...],
     output: Path | None,
+    dlq_topic: str | None,
     as_json: bool,
     watch: float | None,
 ) -> None:
-    """Lag report of a consumer group; the exit code is the group's verdict."""
+    """Lag report of a consumer group; the exit code is the group's verdict.
+
+    0 OK, 1 LAGGING, 2 STALLED, 3 STOPPED, 4 MISMATCH (with --output);
+    operational errors exit 64 and above (69: no broker answered).
+    """
     from pipeline import status as lag
 
     topics_list = list(topic) or None
     if watch is not None:
-        last = lag.watch(kafka, group, watch, topics_list, output, as_json=as_json)
+        last = lag.watch(
+            kafka, group, watch, topics_list, output, as_json=as_json, dlq_topic=dlq_topic
+        )
         sys.exit(lag.exit_code_for(last["verdict"]) if last else 0)
-    report = lag.collect_status(kafka, group, topics_list, output)
+    report = lag.collect_status(kafka, group, topics_list, output, dlq_topic=dlq_topic)
     click.echo(json.dumps(report, indent=2) if as_json else lag.render_table(report))
     sys.exit(lag.exit_code_for(report.get("verdict", "OK")))
+
+
+# -- audit ----------------------------------------------------------------------------
+
+
+@main.command()
+@env_option("--output", required=True, type=click.Path(file_okay=False, path_type=Path))
+@env_option("--group", required=True)
+@env_option(
+    "--topic",
+    "topic",
+    multiple=True,
+    help="Topic to audit (repeatable) [default: the topics the group has commits for].",
+)
+@env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
+@click.pass_obj
+def audit(
+    kafka: KafkaSettings,
+    output: Path,
+    group: str,
+    topic: tuple[str, ...],
+    dlq_topic: str | None,
+    as_json: bool,
+) -> None:
+    """Check that every committed offset is in exactly one row or in the dead-letter topic.
+
+    Offsets that are neither are read from Kafka: a real record there is
+    missing. Exit 0 when nothing is missing or doubled, 1 otherwise.
+    """
+    from pipeline.audit import render_audit, run_audit
+
+    report = run_audit(kafka, output, group, list(topic) or None, dlq_topic=dlq_topic)
+    click.echo(json.dumps(report, indent=2) if as_json else render_audit(report))
+    sys.exit(0 if report["ok"] else 1)
 
 
 # -- search ---------------------------------------------------------------------------
@@ -450,10 +521,20 @@ def index() -> None:
 @click.option("--index-type", type=click.Choice(["flat", "ivf"]), default="flat", show_default=True)
 def index_rebuild(output: Path, index_type: str) -> None:
     """Rebuild the index from the Parquet files in OUTPUT."""
+    from pipeline.errors import IndexStateError
     from sinks.faiss_index import IndexStore
 
-    count = IndexStore(output, index_type=index_type).rebuild()
+    store = IndexStore(output, index_type=index_type)
+    count = store.rebuild()
     click.echo(f"index rebuilt: {count} vectors ({index_type}) in {output}/index")
+    if store.damaged:
+        for damaged in store.damaged:
+            click.echo(f"warning: skipped {damaged.segment.path} ({damaged.reason})", err=True)
+        raise IndexStateError(
+            f"{len(store.damaged)} damaged segment(s) left out of the index, with the rest of "
+            "their partitions; start a worker (pipeline run) on this output: it moves them "
+            "to quarantine/, reads their records again from Kafka, and the index catches up"
+        )
 
 
 # -- model ----------------------------------------------------------------------------

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline.embedder import Embedder
 from pipeline.errors import IndexStateError
 from sinks.faiss_index import Hit, IndexStore
-from sinks.layout import iter_segments
+from sinks.layout import segments_by_partition
+from sinks.segments import DamagedSegment, read_rows
 
 
 def search_output(output: Path, query: str, k: int, device: str = "auto") -> list[dict[str, Any]]:
@@ -38,20 +38,25 @@ def _model_name(model_meta: dict[str, str]) -> str:
     return "default" if name == "sentence-transformers/all-MiniLM-L6-v2" else name
 
 
+_ROW_COLUMNS = ["topic", "partition", "offset", "id", "text", "key", "timestamp"]
+
+
 def _row(output: Path, hit: Hit) -> dict[str, Any]:
-    """The Parquet row of a hit: found by file name (its offset range), then by offset."""
-    for name, path in iter_segments(output):
-        if (name.topic, name.partition) == (hit.topic, hit.partition) and (
-            name.first <= hit.offset <= name.last
-        ):
-            table = pq.read_table(
-                path, columns=["topic", "partition", "offset", "id", "text", "key", "timestamp"]
-            )
-            row = table.filter(pc.equal(table["offset"], hit.offset)).to_pylist()
-            if row:
-                found = row[0]
-                found["key"] = found["key"].decode("utf-8", "replace") if found["key"] else None
-                return found
+    """The Parquet row of a hit: in the last segment starting at or before its offset."""
+    segments = segments_by_partition(output, [hit.topic]).get((hit.topic, hit.partition), [])
+    # Newest first: with legacy overlapping files, any one holding the offset will do.
+    for segment in sorted(segments, key=lambda s: s.key.first, reverse=True):
+        if segment.key.first > hit.offset:
+            continue
+        try:
+            table, _ = read_rows(segment, _ROW_COLUMNS)
+        except (DamagedSegment, FileNotFoundError):
+            continue
+        row = table.filter(pc.equal(table["offset"], hit.offset)).to_pylist()
+        if row:
+            found = row[0]
+            found["key"] = found["key"].decode("utf-8", "replace") if found["key"] else None
+            return found
     raise IndexStateError(
         f"index entry {hit.topic}[{hit.partition}]@{hit.offset} has no Parquet row; "
         f"run: pipeline index rebuild --output {output}"

@@ -13,6 +13,7 @@ other learns it lost. A published file is never rewritten.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import socket
 import time
@@ -42,6 +43,7 @@ _HOST = socket.gethostname().replace(".", "_")
 # Distinguishes this process from an earlier one with the same pid (pid 1 in containers).
 _TOKEN = os.urandom(4).hex()
 _WRITER = f"{_HOST}.{os.getpid()}.{_TOKEN}"
+_stage_numbers = itertools.count()
 # A temp file this old is garbage whoever wrote it: a live writer stages and
 # publishes within seconds. (Removing a live writer's file is safe anyway: its
 # publish then fails like a lost race, and the range is written again.)
@@ -102,7 +104,8 @@ class ParquetSink:
     ) -> StagedFile:
         """Writes offsets key.first..last (`consumed` records, the good ones given) aside."""
         final = self.directory / key.filename
-        tmp = self.directory / f".{key.filename}.{_WRITER}{TMP_SUFFIX}"
+        # Unique per call: a staged file is never overwritten by another stage.
+        tmp = self.directory / f".{key.filename}.{next(_stage_numbers)}.{_WRITER}{TMP_SUFFIX}"
         metadata = segment_metadata(key.first, last, consumed, _WRITER, start)
         table = self._table(records, vectors, {**self._model_metadata, **metadata})
         try:

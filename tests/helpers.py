@@ -171,3 +171,55 @@ def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int |
 
 def expected_rows(topic: str, counts: dict[int, int]) -> set[tuple[str, int, int]]:
     return {(topic, p, o) for p, n in counts.items() for o in range(n)}
+
+
+# --------------------------------------------------------------------------- synthetic outputs
+
+
+def write_segment(
+    output: Path,
+    topic: str,
+    partition: int,
+    first: int,
+    last: int,
+    offsets: Iterable[int] | None = None,
+    *,
+    records: int | None = None,
+    start: str | None = None,
+    legacy: bool = False,
+) -> Path:
+    """A segment as workers write it: rows at `offsets` (default: every offset of the range).
+
+    New names hold the first offset and the range is in `segment.*` footer
+    metadata; legacy names (`legacy=True`) hold first and last and no metadata.
+    """
+    import pyarrow as pa
+
+    from sinks.layout import SegmentKey, vectors_dir
+    from sinks.segments import segment_metadata
+
+    rows = list(range(first, last + 1)) if offsets is None else list(offsets)
+    table = pa.table(
+        {
+            "topic": pa.array([topic] * len(rows), pa.string()),
+            "partition": pa.array([partition] * len(rows), pa.int32()),
+            "offset": pa.array(rows, pa.int64()),
+            "text": pa.array([f"r{o}" for o in rows], pa.string()),
+        }
+    )
+    directory = vectors_dir(output)
+    directory.mkdir(parents=True, exist_ok=True)
+    if legacy:
+        path = directory / f"{topic}-p{partition:05d}-{first:020d}-{last:020d}.parquet"
+    else:
+        count = len(rows) if records is None else records
+        meta = segment_metadata(first, last, count, "tests", start)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
+        path = directory / SegmentKey(topic, partition, first).filename
+    pq.write_table(table, path)
+    return path
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])

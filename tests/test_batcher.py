@@ -280,3 +280,51 @@ def test_without_is_a_copy_and_keeps_token_ids_aligned() -> None:
     # the original batch is untouched
     assert len(batch) == 5 and batch.tokens == 10
     assert set(batch.ranges) == {("t", 0), ("t", 1)}
+
+
+# ------------------------------------------------------------------ ranges tile offsets
+
+
+def test_consecutive_ranges_tile_a_partition_from_its_start_over_gaps() -> None:
+    # Offsets 10, 11 and 15 hold no record (transaction markers, aborted records):
+    # the ranges still tile, so the segments say how far the partition was read.
+    batcher, _ = make(max_records=2)
+    batcher.start(("t", 0), 10)
+    closed = add_all(batcher, [good(12, 1), good(13, 1), good(14, 1), good(16, 1)])
+    assert [b.ranges for b in closed] == [{("t", 0): [10, 13]}, {("t", 0): [14, 16]}]
+
+
+def test_advance_covers_offsets_passed_without_records() -> None:
+    batcher, _ = make()
+    batcher.start(("t", 0), 0)
+    add_all(batcher, [good(0, 1), good(1, 1)])
+    batcher.advance(("t", 0), 5, epoch=0)  # a commit marker at 2, aborted records 3-4
+    batch = batcher.flush(CloseReason.CAUGHT_UP)
+    assert batch is not None and batch.ranges == {("t", 0): [0, 4]}
+    # Nothing open, only a marker passed: a batch with a range and no records.
+    batcher.advance(("t", 0), 6, epoch=7)
+    assert batcher.is_open and batcher.pending == 0
+    batch = batcher.flush(CloseReason.CAUGHT_UP)
+    assert batch is not None and len(batch) == 0
+    assert batch.ranges == {("t", 0): [5, 5]} and batch.epochs == {("t", 0): 7}
+    # An advance to where the partition already is opens nothing.
+    batcher.advance(("t", 0), 6, epoch=7)
+    assert not batcher.is_open
+
+
+def test_advance_without_a_start_does_nothing() -> None:
+    batcher, _ = make()
+    batcher.advance(("t", 3), 100, epoch=1)
+    assert not batcher.is_open
+
+
+def test_drop_forgets_where_the_partition_was_and_start_sets_it_again() -> None:
+    batcher, _ = make()
+    batcher.start(("t", 0), 0)
+    add_all(batcher, [good(0, 1), good(1, 1)])
+    batcher.drop({("t", 0)})
+    assert not batcher.is_open
+    batcher.start(("t", 0), 40)  # the outputs ended at 39 meanwhile
+    add_all(batcher, [good(42, 1)])
+    batch = batcher.flush(CloseReason.SHUTDOWN)
+    assert batch is not None and batch.ranges == {("t", 0): [40, 42]}

@@ -219,7 +219,7 @@ def test_unknown_global_key_in_file_is_a_one_line_error(
 ) -> None:
     path = toml(tmp_path, 'bootstrap_server = "typo:9092"\n')
     result = invoke(["--config", str(path), *RUN])
-    assert result.exit_code == 2
+    assert result.exit_code == ConfigError.exit_code
     assert captured == []
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -230,7 +230,7 @@ def test_unknown_global_key_in_file_is_a_one_line_error(
 def test_invalid_toml_is_a_clear_error(captured: list[WorkerConfig], tmp_path: Path) -> None:
     path = toml(tmp_path, "[run\nbatch_size = = 3\n")
     result = invoke(["--config", str(path), *RUN])
-    assert result.exit_code == 2
+    assert result.exit_code == ConfigError.exit_code
     assert captured == []
     assert "not valid TOML" in result.stderr and str(path) in result.stderr
     assert "Traceback" not in result.output
@@ -238,35 +238,35 @@ def test_invalid_toml_is_a_clear_error(captured: list[WorkerConfig], tmp_path: P
 
 def test_missing_config_file_is_a_clear_error(captured: list[WorkerConfig], tmp_path: Path) -> None:
     result = invoke(["--config", str(tmp_path / "nope.toml"), *RUN])
-    assert result.exit_code == 2
+    assert result.exit_code == ConfigError.exit_code
     assert "does not exist" in result.stderr
     assert captured == []
 
 
 def test_run_without_topic_is_a_usage_error(captured: list[WorkerConfig]) -> None:
     result = invoke(["run", "--group", "g", "--output", "/tmp/o"])
-    assert result.exit_code == 2
+    assert result.exit_code == 64  # click's usage errors, outside 0-4 too
     assert "--topic" in result.stderr
     assert captured == []
 
 
-def test_invalid_value_is_a_config_error_exit_2(captured: list[WorkerConfig]) -> None:
+def test_invalid_value_is_a_config_error_exit_64(captured: list[WorkerConfig]) -> None:
     result = invoke([*RUN, "--batch-size", "0"])
-    assert result.exit_code == ConfigError.exit_code == 2
+    assert result.exit_code == ConfigError.exit_code == 64
     assert result.stderr.strip() == "error: batch size must be positive, got 0"
     assert captured == []
 
 
 def test_invalid_bootstrap_is_a_config_error(captured: list[WorkerConfig]) -> None:
     result = invoke(["--bootstrap-servers", "no-port", *RUN])
-    assert result.exit_code == 2
+    assert result.exit_code == ConfigError.exit_code
     assert "HOST:PORT" in result.stderr
     assert captured == []
 
 
 def test_dlq_topic_same_as_input_is_rejected(captured: list[WorkerConfig]) -> None:
     result = invoke([*RUN, "--dlq-topic", "docs"])
-    assert result.exit_code == 2 and "dead-letter" in result.stderr
+    assert result.exit_code == ConfigError.exit_code and "dead-letter" in result.stderr
     assert captured == []
 
 
@@ -280,5 +280,5 @@ def test_file_can_set_the_run_topic(captured: list[WorkerConfig], tmp_path: Path
 def test_unknown_key_in_run_table_is_an_error(captured: list[WorkerConfig], tmp_path: Path) -> None:
     path = toml(tmp_path, "[run]\nbatch_sise = 64\n")
     result = invoke(["--config", str(path), *RUN])
-    assert result.exit_code == 2
+    assert result.exit_code == ConfigError.exit_code
     assert "batch_sise" in result.stderr

@@ -9,21 +9,15 @@ no offset was committed past the rows that reached published Parquet files.
 
 from __future__ import annotations
 
-import base64
-import errno
-import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedder import ModelInfo
 from pipeline.errors import (
     BrokerUnavailable,
     ConfigError,
@@ -32,15 +26,9 @@ from pipeline.errors import (
     PipelineError,
     TopicMissing,
 )
-from pipeline.records import GoodRecord, SourceRecord
-from sinks import parquet
-from sinks.layout import SegmentName, iter_segments
 from tests.helpers import (
     PIPELINE,
     REPO,
-    committed_offsets,
-    publish_json,
-    run_until_end,
     worker_args,
     worker_env,
 )
@@ -221,110 +209,3 @@ def test_bad_bootstrap_servers_format(servers: str, tmp_path: Path) -> None:
     result = pipeline("--bootstrap-servers", servers, "status", "--group", "g")
 
     assert "HOST:PORT" in error_line(result, ConfigError)
-
-
-@pytest.mark.parametrize("codec", ["snappy", "lz4", "zstd"])
-def test_compression_without_its_package(codec: str, tmp_path: Path) -> None:
-    from kafka import codec as codecs
-
-    if getattr(codecs, f"has_{codec}")():
-        pytest.skip(f"the {codec} package is installed here")
-    source = tmp_path / "in.jsonl"
-    source.write_text('{"text": "hello"}\n')
-
-    result = pipeline("produce", "t", str(source), "--compression", codec)
-
-    line = error_line(result, ConfigError)
-    assert codec in line
-    assert "pip install" in line
-
-
-# ------------------------------------------------------------------ disk full
-
-
-@pytest.fixture
-def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (needs root and mount rights; skipped where mounting fails)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
-def records_with_blobs(n: int) -> Iterator[dict[str, str]]:
-    """Short texts (cheap to embed) with an incompressible metadata field (big rows)."""
-    for i in range(n):
-        blob = base64.b64encode(os.urandom(12_000)).decode()
-        yield {"id": f"r{i}", "text": f"record {i}: the quick brown fox jumps", "blob": blob}
-
-
-@pytest.mark.integration
-def test_disk_full_stops_with_one_line_and_commits_only_published_rows(
-    broker: str, make_topic: Callable[..., str], group_id: str, tiny_filesystem: Path
-) -> None:
-    topic = make_topic(partitions=3)
-    # ~17.5 KB a row (384 float32 + 16 KB of base64 metadata): 150 rows need ~2.6 MB.
-    publish_json(broker, topic, records_with_blobs(150), partitions=3)
-    output = tiny_filesystem / "out"
-
-    # A short max poll interval bounds the wait, on close, for the batch that failed.
-    options = ["--batch-size", "24", "--max-poll-interval-ms", "10000"]
-    options += ["--session-timeout-ms", "6000"]
-
-    result = run_until_end(broker, topic, group_id, output, *options, timeout=180)
-
-    line = error_line(result, OutputError)
-    assert "disk full" in line
-    published = published_coverage(output, topic)
-    assert published, "nothing was published before the disk filled up"
-    committed = committed_offsets(broker, group_id, topic)
-    for partition, offset in committed.items():
-        last = published.get(partition, -1)
-        assert offset is None or offset <= last + 1, (partition, offset, last)
-
-
-def published_coverage(output: Path, topic: str) -> dict[int, int]:
-    """Last offset covered per partition; asserts every published file reads whole."""
-    last: dict[int, int] = {}
-    for name, path in iter_segments(output):
-        table = pq.read_table(path)  # a truncated file would raise here
-        offsets = np.asarray(table["offset"].to_pylist(), dtype=np.int64)
-        assert set(table["topic"].to_pylist()) <= {topic}
-        assert ((offsets >= name.first) & (offsets <= name.last)).all(), path
-        assert table.num_rows == name.last - name.first + 1, path  # no bad records here
-        last[name.partition] = max(last.get(name.partition, -1), name.last)
-    return last
-
-
-def test_disk_full_while_staging_is_an_output_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The unit-level twin of the test above, for where no tmpfs can be mounted."""
-    info = ModelInfo("m", "/m", "r", 4, "mean", True, 128, "fp32", "cpu")
-    sink = parquet.ParquetSink(tmp_path, info)
-    sink.prepare()
-    source = SourceRecord("t", 0, 0, 0, None, b'{"text": "x"}')
-    record = GoodRecord(source, "x", None, None)
-
-    def no_space(*_args: object, **_kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    for target in ("write_table", "fsync"):
-        with monkeypatch.context() as patch:
-            if target == "write_table":
-                patch.setattr(parquet.pq, "write_table", no_space)
-            else:
-                patch.setattr(parquet.os, "fsync", no_space)
-            with pytest.raises(OutputError, match="disk full"):
-                sink.stage(SegmentName("t", 0, 0, 0), [record], np.zeros((1, 4), np.float32))
-        assert not [p for p in sink.directory.iterdir() if p.name.endswith(".parquet")]
-        assert not list(sink.directory.glob(".*.tmp"))  # the partial temp file is gone

@@ -16,8 +16,8 @@ from pipeline.errors import IndexStateError
 from pipeline.records import GoodRecord, SourceRecord
 from sinks import faiss_index as faiss_mod
 from sinks.faiss_index import IndexStore, decode_id, encode_id
-from sinks.layout import INDEX_META_FILE, SegmentName, index_dir, iter_segments
-from sinks.parquet import ParquetSink
+from sinks.layout import INDEX_META_FILE, SegmentKey, index_dir, iter_segments, vectors_dir
+from sinks.parquet import ParquetSink, StagedFile
 
 DIM = 16
 Row = tuple[str, int, int]
@@ -44,6 +44,20 @@ class Output:
         self, topic: str, partition: int, first: int, last: int, skip: tuple[int, ...] = ()
     ) -> int:
         """Publishes a segment covering first..last; offsets in `skip` were bad records."""
+        staged = self._stage(topic, partition, first, last, skip)
+        assert self.sink.publish(staged)
+        return staged.rows
+
+    def legacy_segment(self, topic: str, partition: int, first: int, last: int) -> int:
+        """A segment as older versions named it (`<first>-<last>`), overlaps allowed."""
+        staged = self._stage(topic, partition, first, last, ())
+        name = f"{topic}-p{partition:05d}-{first:020d}-{last:020d}.parquet"
+        staged.tmp_path.rename(vectors_dir(self.root) / name)
+        return staged.rows
+
+    def _stage(
+        self, topic: str, partition: int, first: int, last: int, skip: tuple[int, ...]
+    ) -> StagedFile:
         offsets = [o for o in range(first, last + 1) if o not in skip]
         recs = [
             GoodRecord(SourceRecord(topic, partition, o, 0, None, b"{}"), f"t{o}", None, None)
@@ -53,14 +67,13 @@ class Output:
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
         for o, row in zip(offsets, v, strict=True):
             self.vectors[(topic, partition, o)] = row
-        staged = self.sink.stage(SegmentName(topic, partition, first, last), recs, v)
-        self.sink.publish(staged)
-        return len(offsets)
+        key = SegmentKey(topic, partition, first)
+        return self.sink.stage(key, last, recs, v, consumed=last - first + 1)
 
     def parquet_rows(self) -> list[Row]:
         rows: list[Row] = []
-        for _, path in iter_segments(self.root):
-            table = pq.read_table(path, columns=["topic", "partition", "offset"])
+        for segment in iter_segments(self.root):
+            table = pq.read_table(segment.path, columns=["topic", "partition", "offset"])
             rows += zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True)
         return rows
 
@@ -212,16 +225,49 @@ def test_load_without_an_index_raises(tmp_path: Path) -> None:
         IndexStore(tmp_path).load()
 
 
-def test_overlapping_segment_raises(out: Output) -> None:
-    out.segment("t", 0, 0, 9)
+def test_overlapping_legacy_segments_give_one_entry_per_record(out: Output) -> None:
+    # Older versions could leave overlapping files behind; the index must not
+    # double them, nor crash on them (every sync at every start would).
+    out.legacy_segment("t", 0, 0, 9)
     store = IndexStore(out.root)
-    store.sync()
-    out.segment("t", 0, 5, 14)
-    with pytest.raises(IndexStateError, match="overlaps"):
-        store.sync()
-    with pytest.raises(IndexStateError, match="overlaps"):
-        IndexStore(out.root).sync()
-    assert meta_json(out.root)["count"] == 10  # nothing half-added on disk
+    assert store.sync() == 10
+    out.legacy_segment("t", 0, 5, 14)
+    assert store.sync() == 5
+    out.legacy_segment("t", 0, 0, 14)
+    assert store.sync() == 0
+    assert sorted(fresh_rows(out.root)) == [("t", 0, o) for o in range(15)]
+    assert IndexStore(out.root).rebuild() == 15
+    assert sorted(fresh_rows(out.root)) == [("t", 0, o) for o in range(15)]
+
+
+def test_a_damaged_segment_stops_its_partition_until_repaired(out: Output) -> None:
+    out.segment("t", 0, 0, 9)
+    out.segment("t", 0, 10, 19)
+    out.segment("t", 0, 20, 29)
+    out.segment("t", 1, 0, 4)
+    damaged = vectors_dir(out.root) / SegmentKey("t", 0, 10).filename
+    good = damaged.read_bytes()
+    damaged.write_bytes(good[:100])  # truncated, with a valid name
+    store = IndexStore(out.root)
+    assert store.sync() == 15  # partition 0 up to the damage, and all of partition 1
+    assert [d.segment.path for d in store.damaged] == [damaged]
+    assert meta_json(out.root)["covered"] == {"t:0": 9, "t:1": 4}
+    damaged.write_bytes(good)  # repaired (a worker writes the range again)
+    assert store.sync() == 20
+    assert sorted(fresh_rows(out.root)) == sorted(out.parquet_rows())
+
+
+def test_a_segment_rewritten_past_the_coverage_adds_only_the_new_rows(out: Output) -> None:
+    # The last segment of a partition was damaged after the index read it; its
+    # next owner reads the partition again from its first offset, further on.
+    out.segment("t", 0, 0, 9)
+    out.segment("t", 0, 10, 14)
+    store = IndexStore(out.root)
+    assert store.sync() == 15
+    (vectors_dir(out.root) / SegmentKey("t", 0, 10).filename).unlink()
+    out.segment("t", 0, 10, 24)
+    assert store.sync() == 10
+    assert sorted(fresh_rows(out.root)) == [("t", 0, o) for o in range(25)]
 
 
 def test_segment_of_another_dimension_raises(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,16 @@ from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
 from pipeline.records import GoodRecord, SourceRecord
 from sinks import parquet as parquet_mod
-from sinks.layout import SegmentName, iter_segments, vectors_dir, written_high_offsets
+from sinks.layout import (
+    SegmentFile,
+    SegmentKey,
+    iter_segments,
+    quarantine_dir,
+    segments_by_partition,
+    vectors_dir,
+)
 from sinks.parquet import ParquetSink, output_error, remove_stale_temp_files
+from sinks.segments import DamagedSegment, covered_through, pending_notes, quarantine, read_info
 
 DIM = 8
 MODEL = ModelInfo(
@@ -58,7 +67,18 @@ def sink(tmp_path: Path) -> ParquetSink:
     return s
 
 
-# ------------------------------------------------------------------ SegmentName
+# ------------------------------------------------------------------ segment names
+
+
+def stage(sink: ParquetSink, topic: str, partition: int, first: int, last: int, offsets: list[int]):
+    """Stages offsets first..last of which `offsets` are good records."""
+    return sink.stage(
+        SegmentKey(topic, partition, first),
+        last,
+        records(topic, partition, offsets),
+        unit_vectors(len(offsets)),
+        consumed=len(offsets),
+    )
 
 
 @pytest.mark.parametrize(
@@ -72,79 +92,79 @@ def sink(tmp_path: Path) -> ParquetSink:
         "ends-with-dash-",
     ],
 )
-@pytest.mark.parametrize(
-    ("partition", "first", "last"), [(0, 0, 0), (7, 10, 99), (65535, 0, (1 << 40) - 1)]
-)
-def test_segment_name_round_trip(topic: str, partition: int, first: int, last: int) -> None:
-    name = SegmentName(topic, partition, first, last)
-    assert name.filename.endswith(".parquet")
-    assert SegmentName.parse(name.filename) == name
+@pytest.mark.parametrize(("partition", "first"), [(0, 0), (7, 10), (65535, (1 << 40) - 1)])
+def test_segment_key_round_trip(tmp_path: Path, topic: str, partition: int, first: int) -> None:
+    key = SegmentKey(topic, partition, first)
+    assert key.filename.endswith(".parquet")
+    parsed = SegmentFile.parse(tmp_path / key.filename)
+    assert parsed is not None and parsed.key == key and parsed.named_last is None
+
+
+def test_legacy_names_with_a_last_offset_are_still_read(tmp_path: Path) -> None:
+    legacy = SegmentFile.parse(
+        tmp_path / "my-topic-p00003-00000000000000000010-00000000000000000019.parquet"
+    )
+    assert legacy is not None
+    assert legacy.key == SegmentKey("my-topic", 3, 10)
+    assert legacy.named_last == 19
 
 
 @pytest.mark.parametrize(
     "filename",
     [
         "index.json",
-        "t-p00000-00000000000000000000-00000000000000000009.parquet.tmp",
-        ".t-p00000-00000000000000000000-00000000000000000009.parquet.host.1.ab.tmp",
-        "t-p0-0-9.parquet",
-        "-p00000-00000000000000000000-00000000000000000009.parquet",
-        "t-p00000-00000000000000000000-00000000000000000009.parq",
+        "t-p00000-00000000000000000000.parquet.tmp",
+        ".t-p00000-00000000000000000000.parquet.host.1.ab.tmp",
+        "t-p0-0.parquet",
+        "-p00000-00000000000000000000.parquet",
+        "t-p00000-00000000000000000000.parq",
     ],
 )
-def test_segment_name_parse_rejects_other_files(filename: str) -> None:
-    assert SegmentName.parse(filename) is None
+def test_segment_parse_rejects_other_files(tmp_path: Path, filename: str) -> None:
+    assert SegmentFile.parse(tmp_path / filename) is None
 
 
-def test_segment_names_sort_by_offset_within_partition() -> None:
-    names = [SegmentName("t", 0, 100, 199), SegmentName("t", 0, 2, 99), SegmentName("t", 0, 0, 1)]
-    assert sorted(n.filename for n in names) == [n.filename for n in sorted(names)]
-
-
-def test_written_high_offsets(tmp_path: Path) -> None:
-    assert written_high_offsets(tmp_path) == {}  # no vectors dir yet
+def test_segments_by_partition_sorts_by_offset_and_ignores_other_files(tmp_path: Path) -> None:
+    assert segments_by_partition(tmp_path) == {}  # no vectors dir yet
     directory = vectors_dir(tmp_path)
     directory.mkdir()
-    for name in [
-        SegmentName("a-b.c", 0, 0, 9),
-        SegmentName("a-b.c", 0, 10, 19),
-        SegmentName("a-b.c", 1, 0, 4),
-        SegmentName("other", 0, 5, 5),
-    ]:
-        (directory / name.filename).write_bytes(b"")
-    # unfinished and foreign files do not count
-    (directory / f".{SegmentName('a-b.c', 0, 20, 29).filename}.h.1.ab.tmp").write_bytes(b"")
+    for key in [SegmentKey("a-b.c", 0, 100), SegmentKey("a-b.c", 0, 2), SegmentKey("o", 1, 5)]:
+        (directory / key.filename).write_bytes(b"")
+    (directory / f".{SegmentKey('a-b.c', 0, 200).filename}.h.1.ab.tmp").write_bytes(b"")
     (directory / "notes.txt").write_text("x")
-    assert written_high_offsets(tmp_path) == {("a-b.c", 0): 19, ("a-b.c", 1): 4, ("other", 0): 5}
-    assert [n for n, _ in iter_segments(tmp_path)][:2] == [
-        SegmentName("a-b.c", 0, 0, 9),
-        SegmentName("a-b.c", 0, 10, 19),
-    ]
+    found = segments_by_partition(tmp_path)
+    assert [s.key.first for s in found[("a-b.c", 0)]] == [2, 100]
+    assert set(found) == {("a-b.c", 0), ("o", 1)}
+    assert set(segments_by_partition(tmp_path, ["o"])) == {("o", 1)}
 
 
 # ------------------------------------------------------------------ ParquetSink
 
 
 def test_stage_writes_a_temp_file_that_is_not_a_segment(sink: ParquetSink, tmp_path: Path) -> None:
-    name = SegmentName("topic.x", 2, 10, 14)
-    staged = sink.stage(name, records("topic.x", 2, [10, 11, 13]), unit_vectors(3))
+    staged = stage(sink, "topic.x", 2, 10, 14, [10, 11, 13])
     assert staged.tmp_path.exists()
     assert not staged.tmp_path.name.endswith(".parquet")
     assert not staged.final_path.exists()
     assert staged.rows == 3
     assert list(iter_segments(tmp_path)) == []
-    assert written_high_offsets(tmp_path) == {}
 
 
-def test_publish_makes_a_readable_file_with_the_rows(sink: ParquetSink, tmp_path: Path) -> None:
-    name = SegmentName("topic.x", 2, 10, 14)
+def test_publish_makes_a_readable_file_with_the_rows_and_its_range(
+    sink: ParquetSink, tmp_path: Path
+) -> None:
     recs = records("topic.x", 2, [10, 11, 13, 14])
     vectors = unit_vectors(4)
-    staged = sink.stage(name, recs, vectors)
-    sink.publish(staged)
+    key = SegmentKey("topic.x", 2, 10)
+    staged = sink.stage(key, 15, recs, vectors, consumed=5)
+    assert sink.publish(staged)
     assert not staged.tmp_path.exists()
-    assert staged.final_path == vectors_dir(tmp_path) / name.filename
-    assert [n for n, _ in iter_segments(tmp_path)] == [name]
+    assert staged.final_path == vectors_dir(tmp_path) / key.filename
+    [segment] = iter_segments(tmp_path)
+    info = read_info(segment)
+    assert (info.first, info.last, info.rows, info.records) == (10, 15, 4, 5)
+    assert info.dead_lettered == 1
+    assert covered_through([segment]) == 15
     table = pq.read_table(staged.final_path)
     assert table.num_rows == 4
     assert table.column("topic").to_pylist() == ["topic.x"] * 4
@@ -160,8 +180,31 @@ def test_publish_makes_a_readable_file_with_the_rows(sink: ParquetSink, tmp_path
     np.testing.assert_array_equal(emb, vectors)
 
 
+def test_publish_is_create_if_absent_so_only_one_writer_wins(
+    sink: ParquetSink, tmp_path: Path
+) -> None:
+    # Two writers both believe they own the partition and publish from offset 10:
+    # the first wins, the second learns it lost and the first file is untouched.
+    winner = stage(sink, "t", 0, 10, 12, [10, 11, 12])
+    loser = stage(sink, "t", 0, 10, 19, list(range(10, 20)))
+    assert sink.publish(winner)
+    before = winner.final_path.read_bytes()
+    assert not sink.publish(loser)
+    assert not loser.tmp_path.exists()
+    assert winner.final_path.read_bytes() == before
+    [segment] = iter_segments(tmp_path)
+    assert read_info(segment).last == 12
+
+
+def test_publish_of_a_temp_file_removed_meanwhile_is_a_lost_race(sink: ParquetSink) -> None:
+    staged = stage(sink, "t", 0, 0, 0, [0])
+    staged.tmp_path.unlink()  # removed as stale while its writer was stopped
+    assert not sink.publish(staged)
+    assert not staged.final_path.exists()
+
+
 def test_schema_types_per_contract(sink: ParquetSink) -> None:
-    staged = sink.stage(SegmentName("t", 0, 0, 1), records("t", 0, [0, 1]), unit_vectors(2))
+    staged = stage(sink, "t", 0, 0, 1, [0, 1])
     sink.publish(staged)
     schema = pq.read_schema(staged.final_path)
     expected = {
@@ -183,7 +226,7 @@ def test_schema_types_per_contract(sink: ParquetSink) -> None:
 
 
 def test_key_value_metadata_names_the_model(sink: ParquetSink) -> None:
-    staged = sink.stage(SegmentName("t", 0, 0, 0), records("t", 0, [0]), unit_vectors(1))
+    staged = stage(sink, "t", 0, 0, 0, [0])
     sink.publish(staged)
     raw = pq.read_schema(staged.final_path).metadata
     meta = {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"embedding.")}
@@ -198,28 +241,67 @@ def test_key_value_metadata_names_the_model(sink: ParquetSink) -> None:
 def test_segment_of_only_bad_records_is_a_valid_empty_file(
     sink: ParquetSink, tmp_path: Path
 ) -> None:
-    name = SegmentName("t", 0, 5, 9)
-    staged = sink.stage(name, [], np.empty((0, DIM), dtype=np.float32))
+    staged = sink.stage(
+        SegmentKey("t", 0, 5), 9, [], np.empty((0, DIM), dtype=np.float32), consumed=5
+    )
     sink.publish(staged)
     assert staged.rows == 0
     table = pq.read_table(staged.final_path)
     assert table.num_rows == 0
     assert table.schema.field("embedding").type.list_size == DIM
-    assert written_high_offsets(tmp_path) == {("t", 0): 9}
+    assert covered_through(segments_by_partition(tmp_path)[("t", 0)]) == 9
 
 
 def test_discard_removes_the_temp_file(sink: ParquetSink, tmp_path: Path) -> None:
-    staged = sink.stage(SegmentName("t", 0, 0, 0), records("t", 0, [0]), unit_vectors(1))
+    staged = stage(sink, "t", 0, 0, 0, [0])
     ParquetSink.discard(staged)
     assert not staged.tmp_path.exists()
     assert list(vectors_dir(tmp_path).iterdir()) == []
+
+
+# ------------------------------------------------------------------ coverage and damage
+
+
+def test_covered_through_reads_only_the_last_footer_and_takes_legacy_names(
+    sink: ParquetSink, tmp_path: Path
+) -> None:
+    for first, last in [(0, 9), (10, 24)]:
+        sink.publish(stage(sink, "t", 0, first, last, list(range(first, last + 1))))
+    segments = segments_by_partition(tmp_path)[("t", 0)]
+    assert covered_through(segments) == 24
+    # A legacy file (name carries its last offset) that runs further counts too.
+    legacy = vectors_dir(tmp_path) / "t-p00000-00000000000000000020-00000000000000000030.parquet"
+    legacy.write_bytes(b"not even parquet: its name is enough")
+    assert covered_through(segments_by_partition(tmp_path)[("t", 0)]) == 30
+    assert covered_through([]) is None
+
+
+def test_a_truncated_segment_is_damaged_and_moves_to_quarantine_with_a_note(
+    sink: ParquetSink, tmp_path: Path
+) -> None:
+    sink.publish(stage(sink, "t", 0, 0, 9, list(range(10))))
+    staged = stage(sink, "t", 0, 10, 19, list(range(10, 20)))
+    sink.publish(staged)
+    data = staged.final_path.read_bytes()
+    staged.final_path.write_bytes(data[: len(data) // 2])  # a valid name, half a file
+    segments = segments_by_partition(tmp_path)[("t", 0)]
+    with pytest.raises(DamagedSegment) as caught:
+        covered_through(segments)
+    note = quarantine(tmp_path, caught.value.segment, caught.value.reason)
+    assert note is not None and (note.first, note.partition) == (10, 0)
+    assert not staged.final_path.exists()
+    assert (quarantine_dir(tmp_path) / note.file).exists()
+    assert [n.first for n in pending_notes(tmp_path)] == [10]
+    assert covered_through(segments_by_partition(tmp_path)[("t", 0)]) == 9
+    # A second worker that finds the same file gone does nothing.
+    assert quarantine(tmp_path, caught.value.segment, "again") is None
 
 
 # ------------------------------------------------------------------ temp-file hygiene
 
 
 def _tmp_name(host: str, pid: int, token: str = "deadbeef") -> str:
-    return f".{SegmentName('t', 0, 0, 9).filename}.{host}.{pid}.{token}.tmp"
+    return f".{SegmentKey('t', 0, 0).filename}.{host}.{pid}.{token}.tmp"
 
 
 def _dead_pid() -> int:
@@ -235,14 +317,21 @@ def test_remove_stale_temp_files_only_removes_dead_writers(tmp_path: Path) -> No
         dead_file = tmp_path / _tmp_name(host, _dead_pid())
         live_file = tmp_path / _tmp_name(host, live.pid)
         remote_file = tmp_path / _tmp_name("some_other_host", _dead_pid())
-        segment = tmp_path / SegmentName("t", 0, 0, 9).filename
+        segment = tmp_path / SegmentKey("t", 0, 0).filename
         for path in (dead_file, live_file, remote_file, segment):
             path.write_bytes(b"x")
         assert remove_stale_temp_files(tmp_path) == 1
         assert not dead_file.exists()
         assert live_file.exists()
-        assert remote_file.exists()  # another machine's writer cleans its own files
+        assert remote_file.exists()  # another machine's writer: young, so maybe alive
         assert segment.exists()  # finished files are never touched
+        # Old enough, any temp file is garbage, whatever host or process named it.
+        old = time.time() - parquet_mod.STALE_TEMP_AGE_S - 60
+        for path in (live_file, remote_file, segment):
+            os.utime(path, (old, old))
+        assert remove_stale_temp_files(tmp_path) == 2
+        assert not live_file.exists() and not remote_file.exists()
+        assert segment.exists()
     finally:
         live.kill()
         live.wait()
@@ -257,7 +346,7 @@ def test_remove_stale_temp_files_same_pid_earlier_process(tmp_path: Path) -> Non
 
 
 def test_prepare_keeps_this_process_staged_file(sink: ParquetSink, tmp_path: Path) -> None:
-    staged = sink.stage(SegmentName("t", 0, 0, 0), records("t", 0, [0]), unit_vectors(1))
+    staged = stage(sink, "t", 0, 0, 0, [0])
     assert ParquetSink(tmp_path, MODEL).prepare() == 0
     assert staged.tmp_path.exists()
 
@@ -308,12 +397,19 @@ def test_stage_on_full_disk_raises_output_error_and_leaves_no_temp(
 
     monkeypatch.setattr(parquet_mod.os, "fsync", no_space)
     with pytest.raises(OutputError, match="disk full"):
-        sink.stage(SegmentName("t", 0, 0, 0), records("t", 0, [0]), unit_vectors(1))
+        stage(sink, "t", 0, 0, 0, [0])
     assert list(vectors_dir(tmp_path).iterdir()) == []
 
 
-def test_publish_failure_raises_output_error(sink: ParquetSink) -> None:
-    staged = sink.stage(SegmentName("t", 0, 0, 0), records("t", 0, [0]), unit_vectors(1))
-    staged.tmp_path.unlink()  # the rename source is gone
+def test_publish_failure_raises_output_error(
+    sink: ParquetSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    staged = stage(sink, "t", 0, 0, 0, [0])
+
+    def io_error(*_args: object) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(parquet_mod.os, "link", io_error)
     with pytest.raises(OutputError):
         sink.publish(staged)
+    assert not staged.final_path.exists()

@@ -1,5 +1,6 @@
 """The lag monitor: figures checked against independent reads of the real broker,
-verdict logic over synthetic histories, rendering, watch and error paths."""
+verdict logic over synthetic histories, output coverage (MISMATCH), rendering,
+watch, and exit codes (verdicts 0-4, operational errors 64 and up)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.structs import OffsetAndMetadata
 
-from pipeline import status as status_mod
+from pipeline.cli import main
 from pipeline.config import KafkaSettings
-from pipeline.errors import BrokerUnavailable, PipelineError, TopicMissing
+from pipeline.errors import BrokerUnavailable, ConfigError, PipelineError, TopicMissing
 from pipeline.status import (
     LAGGING,
+    MISMATCH,
     OK,
     STALLED,
     STOPPED,
@@ -36,7 +37,9 @@ from pipeline.status import (
     watch,
     worst,
 )
-from sinks.layout import SegmentName
+from pipeline.status.outputs import output_facts
+from sinks.layout import vectors_dir
+from tests.helpers import truncate, write_segment
 
 # --------------------------------------------------------------------------- helpers
 
@@ -278,10 +281,10 @@ def test_output_directory_rows_and_mismatches(
     produce(broker, topic, {0: 6, 1: 10, 2: 1})
     # Partition 0: offsets 0..3 (one bad record, 3 rows) and 4..5 (2 rows), committed 6.
     # Partition 1: offsets 0..2 (3 rows) but committed 8: commit past unwritten data.
-    write_segment(tmp_path, topic, 0, 0, 3, rows=3)
-    write_segment(tmp_path, topic, 0, 4, 5, rows=2)
-    write_segment(tmp_path, topic, 1, 0, 2, rows=3)
-    (tmp_path / "vectors" / "half-written.parquet.tmp").write_bytes(b"not yet")
+    write_segment(tmp_path, topic, 0, 0, 3, [0, 1, 3], records=4)
+    write_segment(tmp_path, topic, 0, 4, 5)
+    write_segment(tmp_path, topic, 1, 0, 2)
+    (tmp_path / "vectors" / ".half-written.parquet.tmp").write_bytes(b"not yet")
     write_index(tmp_path, {f"{topic}:0": 5, f"{topic}:1": 2})
     commit(broker, group_id, {(topic, 0): 6, (topic, 1): 8})
 
@@ -290,17 +293,57 @@ def test_output_directory_rows_and_mismatches(
     rows = by_partition(report)
     assert (rows[0]["rows"], rows[0]["files"], rows[0]["covered_through"]) == (5, 2, 5)
     assert rows[0]["index_entries"] == 5 and rows[0]["mismatch"] is None
+    assert rows[0]["verdict"] == OK and rows[0]["missing"] == rows[0]["doubled"] == []
     assert (rows[1]["rows"], rows[1]["covered_through"], rows[1]["index_entries"]) == (3, 2, 2)
+    assert rows[1]["missing"] == [[3, 7]] and rows[1]["doubled"] == []
     assert "committed 8" in rows[1]["mismatch"] and "through 2" in rows[1]["mismatch"]
     assert "index has 2 entries for 3 rows" in rows[1]["mismatch"]
+    assert rows[1]["verdict"] == MISMATCH and rows[1]["lag_verdict"] == STOPPED
     assert (rows[2]["rows"], rows[2]["covered_through"], rows[2]["index_entries"]) == (
         0,
         None,
         None,
     )
     assert rows[2]["mismatch"] is None  # nothing committed, nothing written
+    assert report["verdict"] == MISMATCH and report["exit_code"] == 4
     table = render_table(report)
     assert "MISMATCH" in table and "index has 2 entries for 3 rows" in table
+
+
+@pytest.mark.integration
+def test_mismatch_verdicts_and_exit_code_4(broker, kafka_settings, make_topic, group_id, tmp_path):
+    topic = make_topic(partitions=4)
+    produce(broker, topic, {0: 10, 1: 10, 2: 10, 3: 10})
+    write_segment(tmp_path, topic, 0, 0, 4)  # 0: a gap (5-6) below the commit
+    write_segment(tmp_path, topic, 0, 7, 9)
+    write_segment(tmp_path, topic, 1, 0, 9)  # 1: 4-6 in two segments
+    write_segment(tmp_path, topic, 1, 4, 6, legacy=True)
+    # 2: committed, no segments at all.  3: a damaged segment in the middle.
+    write_segment(tmp_path, topic, 3, 0, 4)
+    damaged = write_segment(tmp_path, topic, 3, 5, 7)
+    truncate(damaged)
+    write_segment(tmp_path, topic, 3, 8, 9)
+    commit(broker, group_id, {(topic, p): 10 for p in range(4)})
+
+    report = collect_status(kafka_settings, group_id, output=tmp_path)
+
+    rows = by_partition(report)
+    assert [rows[p]["verdict"] for p in range(4)] == [MISMATCH] * 4
+    assert rows[0]["missing"] == [[5, 6]] and rows[0]["doubled"] == []
+    assert rows[1]["doubled"] == [[4, 6]] and "in two segments" in rows[1]["mismatch"]
+    assert rows[2]["missing"] == [[0, 9]] and "no segments" in rows[2]["mismatch"]
+    assert rows[3]["missing"] == [[5, 7]] and rows[3]["damaged"] == [str(damaged)]
+    assert any(str(damaged) in w for w in report["warnings"])
+    # Lag is zero everywhere: MISMATCH alone makes the verdict.
+    assert {rows[p]["lag_verdict"] for p in range(4)} == {OK}
+
+    runner = CliRunner()
+    args = ["--bootstrap-servers", broker, "status", "--group", group_id]
+    assert runner.invoke(main, [*args, "--output", str(tmp_path)]).exit_code == 4
+    assert runner.invoke(main, args).exit_code == 0  # without --output: caught up, OK
+    as_json = runner.invoke(main, [*args, "--output", str(tmp_path), "--json"])
+    assert as_json.exit_code == 4
+    assert json.loads(as_json.stdout)["verdict"] == MISMATCH
 
 
 @pytest.mark.integration
@@ -320,31 +363,70 @@ def test_watch_appends_reports_when_not_a_terminal(broker, kafka_settings, make_
 
 def test_unreachable_broker_fails_fast() -> None:
     started = time.monotonic()
-    with pytest.raises(BrokerUnavailable, match=r"127\.0\.0\.1:1; start one") as caught:
+    with pytest.raises(BrokerUnavailable, match=r"127\.0\.0\.1:1") as caught:
         collect_status(KafkaSettings(bootstrap_servers="127.0.0.1:1"), "any-group")
     assert time.monotonic() - started < 10
     assert "scripts/dev-kafka.sh start" in str(caught.value)
     assert caught.value.__cause__ is not None
 
 
-def write_segment(output: Path, topic: str, partition: int, first: int, last: int, rows: int):
-    directory = output / "vectors"
-    directory.mkdir(parents=True, exist_ok=True)
-    offsets = list(range(first, first + rows))
-    table = pa.table(
-        {
-            "topic": pa.array([topic] * rows, pa.string()),
-            "partition": pa.array([partition] * rows, pa.int32()),
-            "offset": pa.array(offsets, pa.int64()),
-            "text": pa.array([f"r{o}" for o in offsets], pa.string()),
-        }
+def test_broker_down_exits_69_never_a_verdict_code() -> None:
+    result = CliRunner().invoke(
+        main, ["--bootstrap-servers", "127.0.0.1:1", "status", "--group", "g", "--json"]
     )
-    pq.write_table(table, directory / SegmentName(topic, partition, first, last).filename)
+    assert result.exit_code == BrokerUnavailable.exit_code == 69
+    assert result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "127.0.0.1:1" in line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],  # --group missing
+        ["status", "--group", "g", "--watch", "0"],  # out of range
+        ["status", "--group", "g", "--nope"],  # unknown option
+        ["--log-level", "LOUD", "status", "--group", "g"],  # a global option
+        ["no-such-command"],
+    ],
+)
+def test_usage_errors_exit_64_not_2(args: list[str]) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == ConfigError.exit_code == 64, result.output
 
 
 def write_index(output: Path, entries: Mapping[str, int]) -> None:
     (output / "index").mkdir(parents=True, exist_ok=True)
     (output / "index" / "index.json").write_text(json.dumps({"entries": dict(entries)}))
+
+
+# --------------------------------------------------------------------------- outputs (unit)
+
+
+def test_output_facts_without_a_broker(tmp_path: Path) -> None:
+    write_segment(tmp_path, "t", 0, 0, 9)
+    write_segment(tmp_path, "t", 1, 0, 4)
+    write_segment(tmp_path, "t", 1, 3, 9)
+    (vectors_dir(tmp_path) / "t-p00002-00000000000000000000.parquet").write_bytes(b"junk")
+    write_index(tmp_path, {"t:0": 10})
+    keys = [("t", 0), ("t", 1), ("t", 2), ("t", 3)]
+
+    facts, warnings = output_facts(tmp_path, {k: 10 for k in keys}, keys)
+
+    assert not facts[("t", 0)].mismatched and facts[("t", 0)].mismatch() is None
+    assert facts[("t", 1)].fields()["doubled"] == [[3, 4]]
+    assert facts[("t", 2)].fields()["missing"] == [[0, 9]]  # its only segment is damaged
+    assert facts[("t", 3)].fields()["missing"] == [[0, 9]]
+    assert facts[("t", 3)].mismatch() == "committed 10 but no segments"
+    assert [k for k in keys if facts[k].mismatched] == keys[1:]
+    [warning] = warnings
+    assert "t-p00002" in warning and "count as missing" in warning
+
+
+def test_output_facts_of_a_missing_directory_warn(tmp_path: Path) -> None:
+    facts, warnings = output_facts(tmp_path / "nope", {("t", 0): 3}, [("t", 0)])
+    assert facts[("t", 0)].mismatched
+    assert warnings == [f"{tmp_path / 'nope'} has no vectors/ folder: no segments"]
 
 
 # --------------------------------------------------------------------------- verdicts (unit)
@@ -433,7 +515,17 @@ def test_rates_and_eta() -> None:
 
 
 def test_exit_codes() -> None:
-    assert [exit_code_for(v) for v in (OK, LAGGING, STALLED, STOPPED)] == [0, 1, 2, 3]
+    assert [exit_code_for(v) for v in (OK, LAGGING, STALLED, STOPPED, MISMATCH)] == [0, 1, 2, 3, 4]
+    assert worst([STOPPED, MISMATCH, OK]) == MISMATCH  # the most severe
+    # No operational error may look like a verdict.
+    from pipeline import errors
+
+    codes = {
+        c.exit_code
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, errors.PipelineError)
+    }
+    assert codes and min(codes) > 4
     with pytest.raises(ValueError, match="unknown verdict"):
         exit_code_for("FINE")
 
@@ -518,7 +610,7 @@ class FakeTerminal(io.StringIO):
         return True
 
 
-def test_watch_redraws_in_place_and_survives_later_errors(monkeypatch) -> None:
+def test_watch_redraws_in_place_and_survives_later_errors() -> None:
     results: list[Any] = [
         synthetic_report(),
         PipelineError("no Kafka broker answered at x:1"),
@@ -533,9 +625,16 @@ def test_watch_redraws_in_place_and_survives_later_errors(monkeypatch) -> None:
             raise result
         return result
 
-    monkeypatch.setattr(status_mod, "collect_status", fake_collect)
     out = FakeTerminal()
-    last = watch(KafkaSettings(), "embedders", 2, stream=out, max_refreshes=3, sleep=lambda s: None)
+    last = watch(
+        KafkaSettings(),
+        "embedders",
+        2,
+        stream=out,
+        max_refreshes=3,
+        sleep=lambda s: None,
+        collect=fake_collect,
+    )
 
     text = out.getvalue()
     assert text.count("\x1b[H\x1b[2J") == 3
@@ -544,19 +643,25 @@ def test_watch_redraws_in_place_and_survives_later_errors(monkeypatch) -> None:
     assert len({id(h) for h in histories}) == 1  # one history across refreshes
 
 
-def test_watch_raises_the_first_error_and_stops_on_ctrl_c(monkeypatch) -> None:
+def test_watch_raises_the_first_error_and_stops_on_ctrl_c() -> None:
     def broken(*args, **kwargs):
         raise BrokerUnavailable("no Kafka broker answered at x:1")
 
-    monkeypatch.setattr(status_mod, "collect_status", broken)
     with pytest.raises(BrokerUnavailable):
-        watch(KafkaSettings(), "g", 1, stream=io.StringIO(), sleep=lambda s: None)
+        watch(KafkaSettings(), "g", 1, stream=io.StringIO(), sleep=lambda s: None, collect=broken)
 
     def interrupt(seconds: float) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(status_mod, "collect_status", lambda *a, **k: synthetic_report())
     out = io.StringIO()
-    last = watch(KafkaSettings(), "g", 1, stream=out, as_json=True, sleep=interrupt)
+    last = watch(
+        KafkaSettings(),
+        "g",
+        1,
+        stream=out,
+        as_json=True,
+        sleep=interrupt,
+        collect=lambda *a, **k: synthetic_report(),
+    )
     assert last is not None
     assert json.loads(out.getvalue().splitlines()[0])["total_lag"] == 1234

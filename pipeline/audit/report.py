@@ -1,0 +1,105 @@
+"""The audit's report (`audit_report`, one JSON-able dict) and its human form."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.audit.accounting import PartitionAudit
+from pipeline.audit.kafka_reads import DeadLetters
+from pipeline.audit.ranges import count, describe_ranges
+
+
+def audit_report(
+    group: str,
+    topics: Sequence[str],
+    output: Path,
+    dead: DeadLetters,
+    audits: Sequence[PartitionAudit],
+    warnings: Sequence[str],
+) -> dict[str, Any]:
+    damaged = [d.to_dict() for a in audits for d in a.coverage.damaged]
+    totals = {
+        "partitions": len(audits),
+        "rows": sum(a.rows for a in audits),
+        "dead_lettered": sum(a.dead_lettered for a in audits),
+        "missing": sum(count(a.missing) for a in audits),
+        "doubled": sum(count(a.doubled) for a in audits),
+        "dead_letter_repeats": sum(count(a.dead_letter_repeats) for a in audits),
+        "unverifiable": sum(a.unverifiable for a in audits),
+        "without_record": sum(a.without_record for a in audits),
+        "damaged_files": len(damaged),
+    }
+    return {
+        "group": group,
+        "topics": list(topics),
+        "output": str(output),
+        "dead_letter_topic": dead.topic,
+        "partitions": [a.to_dict() for a in audits],
+        "totals": totals,
+        "damaged": damaged,
+        "warnings": list(warnings),
+        "ok": all(a.ok for a in audits),
+    }
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_audit(report: Mapping[str, Any]) -> str:
+    """The human form: one row per partition, then damaged files, warnings and the verdict."""
+    columns = [
+        "TOPIC",
+        "PARTITION",
+        "COMMITTED",
+        "ROWS",
+        "DEAD",
+        "MISSING",
+        "DOUBLED",
+        "UNVERIFIABLE",
+        "DLQ_REPEATS",
+    ]
+    table = [columns] + [_audit_cells(p) for p in report["partitions"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    right = {1, 2, 3, 4, 7}
+    lines = [
+        "  ".join(
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ).rstrip()
+        for row in table
+    ]
+    lines.extend(f"damaged: {d['file']} ({d['reason']})" for d in report.get("damaged", []))
+    lines.extend(f"warning: {w}" for w in report.get("warnings", []))
+    lines.append(_verdict_line(report))
+    return "\n".join(lines)
+
+
+def _audit_cells(partition: Mapping[str, Any]) -> list[str]:
+    def ranges(name: str) -> str:
+        return describe_ranges([tuple(r) for r in partition[name]])  # type: ignore[misc]
+
+    committed = partition["committed"]
+    return [
+        partition["topic"],
+        str(partition["partition"]),
+        "-" if committed is None else str(committed),
+        str(partition["rows"]),
+        str(partition["dead_lettered"]),
+        ranges("missing"),
+        ranges("doubled"),
+        str(partition["unverifiable"]),
+        ranges("dead_letter_repeats"),
+    ]
+
+
+def _verdict_line(report: Mapping[str, Any]) -> str:
+    totals = report["totals"]
+    head = "audit OK" if report["ok"] else "audit FAILED"
+    return (
+        f"{head}: group {report['group']}, {totals['partitions']} partition(s), "
+        f"{totals['rows']} rows, {totals['dead_lettered']} dead-lettered, "
+        f"{totals['missing']} missing, {totals['doubled']} doubled, "
+        f"{totals['unverifiable']} unverifiable, {totals['damaged_files']} damaged file(s)"
+    )

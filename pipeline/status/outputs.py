@@ -1,0 +1,93 @@
+"""What the output directory says per partition, for `pipeline status --output`.
+
+Footers only (cheap): rows, files, how far the segments reach, and whether they
+tile every offset below the committed one (`pipeline.audit.output_coverage`,
+the same check `pipeline audit` makes), plus the index's entry counts. A
+partition whose segments leave a gap below the committed offset, or overlap,
+gets the MISMATCH verdict; an index that lags its rows is only reported (the
+index is synced some seconds after the segments are published).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.audit.coverage import Coverage, check_coverage, output_coverage
+from sinks.layout import INDEX_META_FILE, index_dir, vectors_dir
+
+Key = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PartitionOutput:
+    coverage: Coverage
+    index_entries: int | None
+
+    @property
+    def mismatched(self) -> bool:
+        """The segments do not account for every committed offset, or overlap."""
+        return not self.coverage.ok
+
+    def fields(self) -> dict[str, Any]:
+        """The status row's output columns."""
+        coverage = self.coverage
+        return {
+            "rows": coverage.rows,
+            "files": coverage.files,
+            "covered_through": coverage.covered_through,
+            "index_entries": self.index_entries,
+            "missing": [list(r) for r in coverage.gaps],
+            "doubled": [list(r) for r in coverage.overlaps],
+            "damaged": [d.path for d in coverage.damaged],
+            "mismatch": self.mismatch(),
+        }
+
+    def mismatch(self) -> str | None:
+        problems = self.coverage.problems()
+        rows = self.coverage.rows
+        if self.index_entries is not None and self.index_entries != rows:
+            problems.append(f"index has {self.index_entries} entries for {rows} rows")
+        return "; ".join(problems) or None
+
+
+def output_facts(
+    output: Path, committed: Mapping[Key, int], keys: Sequence[Key]
+) -> tuple[dict[Key, PartitionOutput], list[str]]:
+    """Per partition of `keys`, what the output holds; plus warnings (damaged files, ...)."""
+    warnings: list[str] = []
+    if not vectors_dir(output).is_dir():
+        warnings.append(f"{output} has no vectors/ folder: no segments")
+    wanted = {k: committed[k] for k in keys if k in committed}
+    coverage = output_coverage(output, wanted, {topic for topic, _ in keys})
+    entries, problem = index_entries(output)
+    if problem:
+        warnings.append(problem)
+    facts = {}
+    for key in keys:
+        found = coverage.get(key) or check_coverage(key, [], [], committed.get(key))
+        facts[key] = PartitionOutput(found, entries.get(key))
+        warnings.extend(
+            f"damaged segment {d.path}: {d.reason} (its offsets count as missing)"
+            for d in found.damaged
+        )
+    return facts, warnings
+
+
+def index_entries(output: Path) -> tuple[dict[Key, int], str | None]:
+    """Vectors per partition in the index's metadata; a problem line if unreadable."""
+    path = index_dir(output) / INDEX_META_FILE
+    if not path.is_file():
+        return {}, None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8")).get("entries") or {}
+        entries = {}
+        for name, count in raw.items():
+            topic, _, partition = name.rpartition(":")
+            entries[(topic, int(partition))] = int(count)
+        return entries, None
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        return {}, f"cannot read {path}: {exc}"

@@ -1,0 +1,127 @@
+"""Damaged outputs and wrong starts: truncated segments, another host's temp
+files, a fresh output directory for a group that already consumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from pipeline.errors import IndexStateError, OutputError
+from sinks.layout import quarantine_dir, segments_by_partition, vectors_dir
+from sinks.parquet import STALE_TEMP_AGE_S
+from tests.helpers import (
+    PIPELINE,
+    REPO,
+    committed_offsets,
+    corpus_records,
+    duplicates,
+    index_rows,
+    output_rows,
+    publish_json,
+    run_until_end,
+    worker_env,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def every_offset_once(output: Path, topic: str, counts: dict[int, int]) -> None:
+    rows = output_rows(output)
+    assert duplicates(rows) == []
+    assert set(rows) == {(topic, p, o) for p, n in counts.items() for o in range(n)}
+    assert sorted(index_rows(output)) == sorted(rows)
+
+
+def test_truncated_segments_are_moved_aside_and_read_again(broker, make_topic, group_id, tmp_path):
+    topic = make_topic(partitions=2)
+    publish_json(broker, topic, corpus_records(200), partitions=2)
+    out = tmp_path / "out"
+    assert run_until_end(broker, topic, group_id, out, "--batch-size", "16").returncode == 0
+    segments = segments_by_partition(out)
+    middle = segments[(topic, 0)][2].path  # a hole: segments follow it
+    last = segments[(topic, 1)][-1].path  # the end of a partition
+    truncate(middle)
+    truncate(last)
+    # A temp file another machine's writer left long ago (containers change hostname).
+    stray = vectors_dir(out) / f".{middle.name}.0.other_host.1.cafe.tmp"
+    stray.write_bytes(b"partial")
+    old = time.time() - STALE_TEMP_AGE_S - 60
+    os.utime(stray, (old, old))
+
+    rebuild = subprocess.run(
+        [*PIPELINE, "index", "rebuild", "--output", str(out)],
+        env=worker_env(broker),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rebuild.returncode == IndexStateError.exit_code, rebuild.stderr
+    assert "Traceback" not in rebuild.stderr
+    assert middle.name in rebuild.stderr and last.name in rebuild.stderr
+
+    result = run_until_end(broker, topic, group_id, out, "--batch-size", "16")
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "damaged segment" in result.stderr
+    moved = sorted(p.name for p in quarantine_dir(out).iterdir() if not p.name.endswith(".json"))
+    assert [name.split(".parquet")[0] for name in moved] == sorted(
+        [middle.name.split(".parquet")[0], last.name.split(".parquet")[0]]
+    )
+    notes = [json.loads(p.read_text()) for p in quarantine_dir(out).glob("*.json")]
+    assert all(note["repaired"] for note in notes), notes
+    assert not stray.exists()
+    every_offset_once(out, topic, {0: 100, 1: 100})
+    for path in (middle, last):
+        pq.read_table(path)  # whole again
+    assert committed_offsets(broker, group_id, topic) == {0: 100, 1: 100}
+
+
+def _commit(bootstrap: str, group: str, topic: str, offsets: dict[int, int]) -> None:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    tps = {TopicPartition(topic, p): OffsetAndMetadata(o, "", -1) for p, o in offsets.items()}
+    consumer.assign(list(tps))
+    consumer.commit(tps)
+    consumer.close(autocommit=False)
+
+
+def test_a_fresh_output_for_a_group_that_consumed_is_the_users_choice(
+    broker, make_topic, group_id, tmp_path
+):
+    topic = make_topic(partitions=2)
+    publish_json(broker, topic, corpus_records(60), partitions=2)
+    _commit(broker, group_id, topic, {0: 20, 1: 10})
+    out = tmp_path / "fresh"
+
+    refused = run_until_end(broker, topic, group_id, out)
+
+    assert refused.returncode == OutputError.exit_code, refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--from-committed" in errors[0] and "--group" in errors[0]
+    assert f"{topic}[0]@20" in errors[0]
+    assert output_rows(out) == []
+
+    chosen = run_until_end(broker, topic, group_id, out, "--from-committed")
+
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    rows = output_rows(out)
+    assert duplicates(rows) == []
+    assert set(rows) == {(topic, 0, o) for o in range(20, 30)} | {
+        (topic, 1, o) for o in range(10, 30)
+    }
+    first = segments_by_partition(out)[(topic, 0)][0].path
+    assert pq.read_schema(first).metadata[b"segment.start"] == b"from-committed"
