@@ -195,16 +195,16 @@ def read_range(
     return records
 
 
-def fails_to_decode(kafka: KafkaSettings, tp: TopicPartition, position: int) -> bool:
-    """Whether fetching `tp` from `position` fails to decode (to name it in an error)."""
+def decode_failure(kafka: KafkaSettings, tp: TopicPartition, position: int) -> Exception | None:
+    """The decoding error fetching `tp` from `position` gives, if any (to name it)."""
     try:
         with cluster.offsets_consumer(kafka) as probe:
             probe.assign([tp])
             probe.seek(tp, position)
             for _ in range(6):
                 probe.poll(timeout_ms=500, max_records=1)
-    except (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError):
-        return True
+    except (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError) as exc:
+        return exc
     except Exception:  # the probe is a diagnosis: anything else says nothing
-        return False
-    return False
+        return None
+    return None

@@ -564,8 +564,13 @@ class Worker:
                 position = self._consumer.position(tp, timeout_ms=0)
             except kerrors.KafkaError:
                 continue
-            if position is not None and repair.fails_to_decode(self.config.kafka, tp, position):
-                where = f"{tp.topic}[{tp.partition}] at offset {position}"
+            found = (
+                None if position is None else repair.decode_failure(self.config.kafka, tp, position)
+            )
+            if found is not None:
+                # The probe's own error: with several undecodable partitions the one
+                # poll() raised may belong to another.
+                where, exc = f"{tp.topic}[{tp.partition}] at offset {position}", found
                 break
         return PipelineError(
             f"cannot decode the record batch of {where}: {exc}; the worker stops there "

@@ -3,7 +3,11 @@
 # development and tests, on 127.0.0.1:9092. Jars are fetched once with Maven from
 # scripts/kafka/pom.xml and cached outside the repo, with the data and the logs.
 #
-#   scripts/dev-kafka.sh start|stop|status|restart|wipe
+#   scripts/dev-kafka.sh start|stop|status|restart|wipe|classpath
+#
+# `classpath` prints the Java classpath of the cached jars (fetching them first if
+# missing; Maven's output goes to stderr), for Java clients such as
+# scripts/java/ForeignProducer.java:  java -cp "$(scripts/dev-kafka.sh classpath)" ...
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -150,5 +154,6 @@ case "${1:-}" in
   status) status ;;
   restart) stop; start ;;
   wipe) stop; rm -rf "$DATA" "$LOGS"; echo "dev-kafka: data removed" ;;
-  *) echo "usage: $0 start|stop|status|restart|wipe" >&2; exit 2 ;;
+  classpath) fetch >&2; echo "$LIBS/*" ;;
+  *) echo "usage: $0 start|stop|status|restart|wipe|classpath" >&2; exit 2 ;;
 esac
