@@ -49,6 +49,9 @@ class DeadLetterSink:
                 linger_ms=5,
                 enable_idempotence=True,
                 max_request_size=16 * 1024 * 1024,
+                # Through a broker restart the producer retries on its own, as long
+                # as the worker is willing to wait (--broker-timeout-s).
+                delivery_timeout_ms=int(self._timeout_s * 1000),
                 **self._kafka.client_kwargs(),
             )
         return self._producer

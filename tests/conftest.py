@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,3 +66,16 @@ def embedder():
     from pipeline.embedder import Embedder
 
     return Embedder.load("default", precision="fp32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """A tiny random BERT folder (scripts/tiny_model.py): for tests of the protocol,
+    where embedding quality does not matter and model time would only slow them."""
+    built = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "tiny_model.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return built.stdout.strip().splitlines()[-1]

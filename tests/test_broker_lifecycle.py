@@ -97,13 +97,17 @@ def test_first_run_on_a_freshly_formatted_broker(private_broker, tmp_path: Path)
     assert len(output_rows(out)) == 90
 
 
-def test_a_bulk_job_rides_out_a_broker_restart(private_broker, tmp_path: Path) -> None:
+def test_a_bulk_job_rides_out_a_broker_restart(
+    private_broker, tmp_path: Path, tiny_model: str
+) -> None:
     topic = "restart"
     assert pipeline("topics", "create", topic, "--partitions", "3").returncode == 0
     publish_json(BOOTSTRAP, topic, corpus_records(1500), partitions=3)
     out = tmp_path / "out"
     log = tmp_path / "worker.log"
-    args = worker_args(topic, "restart-group", out, "--until-end", "--batch-size", "32")
+    args = worker_args(
+        topic, "restart-group", out, "--until-end", "--batch-size", "32", "--model", tiny_model
+    )
     with open(log, "wb") as sink:
         worker = subprocess.Popen(
             args, env=worker_env(BOOTSTRAP), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT

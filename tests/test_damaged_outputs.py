@@ -45,11 +45,14 @@ def every_offset_once(output: Path, topic: str, counts: dict[int, int]) -> None:
     assert sorted(index_rows(output)) == sorted(rows)
 
 
-def test_truncated_segments_are_moved_aside_and_read_again(broker, make_topic, group_id, tmp_path):
+def test_truncated_segments_are_moved_aside_and_read_again(
+    broker, make_topic, group_id, tmp_path, tiny_model
+):
     topic = make_topic(partitions=2)
     publish_json(broker, topic, corpus_records(200), partitions=2)
     out = tmp_path / "out"
-    assert run_until_end(broker, topic, group_id, out, "--batch-size", "16").returncode == 0
+    options = ("--batch-size", "16", "--model", tiny_model)
+    assert run_until_end(broker, topic, group_id, out, *options).returncode == 0
     segments = segments_by_partition(out)
     middle = segments[(topic, 0)][2].path  # a hole: segments follow it
     last = segments[(topic, 1)][-1].path  # the end of a partition
@@ -73,7 +76,7 @@ def test_truncated_segments_are_moved_aside_and_read_again(broker, make_topic, g
     assert "Traceback" not in rebuild.stderr
     assert middle.name in rebuild.stderr and last.name in rebuild.stderr
 
-    result = run_until_end(broker, topic, group_id, out, "--batch-size", "16")
+    result = run_until_end(broker, topic, group_id, out, *options)
 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -100,14 +103,14 @@ def _commit(bootstrap: str, group: str, topic: str, offsets: dict[int, int]) -> 
 
 
 def test_a_fresh_output_for_a_group_that_consumed_is_the_users_choice(
-    broker, make_topic, group_id, tmp_path
+    broker, make_topic, group_id, tmp_path, tiny_model
 ):
     topic = make_topic(partitions=2)
     publish_json(broker, topic, corpus_records(60), partitions=2)
     _commit(broker, group_id, topic, {0: 20, 1: 10})
     out = tmp_path / "fresh"
 
-    refused = run_until_end(broker, topic, group_id, out)
+    refused = run_until_end(broker, topic, group_id, out, "--model", tiny_model)
 
     assert refused.returncode == OutputError.exit_code, refused.stderr
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
@@ -115,7 +118,7 @@ def test_a_fresh_output_for_a_group_that_consumed_is_the_users_choice(
     assert f"{topic}[0]@20" in errors[0]
     assert output_rows(out) == []
 
-    chosen = run_until_end(broker, topic, group_id, out, "--from-committed")
+    chosen = run_until_end(broker, topic, group_id, out, "--from-committed", "--model", tiny_model)
 
     assert chosen.returncode == 0, chosen.stderr[-3000:]
     rows = output_rows(out)

@@ -30,6 +30,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FAST_GROUP = ("--session-timeout-ms", "6000", "--poll-timeout-ms", "100")
 
 
+@pytest.fixture
+def model(tiny_model: str) -> tuple[str, str]:
+    return ("--model", tiny_model)
+
+
 def partition_ends(bootstrap: str, topic: str) -> dict[int, int]:
     consumer = KafkaConsumer(bootstrap_servers=bootstrap)
     parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []]
@@ -54,20 +59,31 @@ def logs(*paths: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in paths if p.exists())
 
 
-def test_workers_starting_together_joining_and_leaving(broker, make_topic, group_id, tmp_path):
+def test_workers_starting_together_joining_and_leaving(
+    broker, make_topic, group_id, tmp_path, model
+):
     """As `docker compose up --scale worker=3` does, then a fourth joins and three leave."""
     topic = make_topic(partitions=4)
-    publish_json(broker, topic, corpus_records(2000), partitions=4)
+    waves = iter(range(1, 100))
+
+    def publish_wave() -> None:  # records keep arriving through every rebalance
+        publish_json(broker, topic, corpus_records(600, seed=next(waves)), partitions=4)
+
+    publish_wave()
     out = tmp_path / "out"
-    options = ("--batch-size", "48", *FAST_GROUP)
+    options = ("--batch-size", "48", *FAST_GROUP, *model)
     names = [tmp_path / f"w{i}.log" for i in range(4)]
     workers = [start_worker(broker, topic, group_id, out, *options, log=names[i]) for i in range(3)]
-    time.sleep(14)
+    time.sleep(10)
+    publish_wave()
     workers.append(start_worker(broker, topic, group_id, out, *options, log=names[3]))
-    time.sleep(6)
+    time.sleep(3)
+    publish_wave()
+    time.sleep(3)
     for worker in workers[:3]:
         assert stop(worker) == 0, logs(*names)
-        time.sleep(2)
+        publish_wave()
+        time.sleep(1)
     assert stop(workers[3]) == 0, logs(*names)
     assert duplicates(output_rows(out)) == []
 
@@ -77,12 +93,12 @@ def test_workers_starting_together_joining_and_leaving(broker, make_topic, group
     assert_every_offset_once(broker, topic, group_id, out)
 
 
-def test_a_rebalance_before_any_file_exists(broker, make_topic, group_id, tmp_path):
+def test_a_rebalance_before_any_file_exists(broker, make_topic, group_id, tmp_path, model):
     """The second member joins while the first one's first batches are in flight."""
     topic = make_topic(partitions=2)
     publish_json(broker, topic, corpus_records(600), partitions=2)
     out = tmp_path / "out"
-    options = ("--batch-size", "300", *FAST_GROUP)
+    options = ("--batch-size", "300", *FAST_GROUP, *model)
     first = start_worker(broker, topic, group_id, out, *options, log=tmp_path / "a.log")
     second = start_worker(broker, topic, group_id, out, *options, log=tmp_path / "b.log")
     time.sleep(3)
@@ -96,13 +112,13 @@ def test_a_rebalance_before_any_file_exists(broker, make_topic, group_id, tmp_pa
 
 
 def test_a_worker_stalled_past_its_session_timeout_doubles_nothing(
-    broker, make_topic, group_id, tmp_path
+    broker, make_topic, group_id, tmp_path, model
 ):
     """SIGSTOP one of two workers past the session timeout, let records arrive, SIGCONT."""
     topic = make_topic(partitions=2)
     publish_json(broker, topic, corpus_records(400), partitions=2)
     out = tmp_path / "out"
-    options = ("--batch-size", "64", *FAST_GROUP)
+    options = ("--batch-size", "64", *FAST_GROUP, *model)
     logs_ = (tmp_path / "a.log", tmp_path / "b.log")
     stalled = start_worker(broker, topic, group_id, out, *options, log=logs_[0])
     time.sleep(12)  # model loaded, first batches on their way
