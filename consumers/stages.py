@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from consumers.committer import PublishedBatch
-from consumers.partitions import InFlight, Ownership
+from consumers.partitions import Ownership
 from pipeline.batcher import MicroBatch, TopicPartitionKey
 from pipeline.embedder import Embedder, EmbedStats
 from pipeline.metrics import WorkerMetrics
@@ -126,7 +126,6 @@ class WriteStage(Stage):
         dead_letter: DeadLetterSink,
         index: IndexStore,
         ownership: Ownership,
-        in_flight: InFlight,
         metrics: WorkerMetrics,
         index_sync_interval_s: float,
         alive: Callable[[], bool] = lambda: True,
@@ -137,7 +136,7 @@ class WriteStage(Stage):
         self.dead_letter = dead_letter
         self.index = index
         self.ownership = ownership
-        self.in_flight = in_flight
+        self.in_flight = ownership.in_flight
         self.metrics = metrics
         self.index_sync_interval_s = index_sync_interval_s
         self.alive = alive

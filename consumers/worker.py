@@ -275,7 +275,6 @@ class Worker:
             self.dead_letter,
             self.index,
             self.ownership,
-            self.in_flight,
             self.metrics,
             self.config.index_sync_interval_s,
             alive=self._heard_by_group,
