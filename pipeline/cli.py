@@ -142,7 +142,8 @@ def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: A
         # Connection attempts and losses, one line each and many a second while a
         # broker is down or restarting: the pipeline says what it means in one line
         # of its own (retrying, or the error it exits with).
-        logging.getLogger("kafka.net").setLevel(logging.CRITICAL)
+        for chatter in ("kafka.net", "kafka.cluster"):
+            logging.getLogger(chatter).setLevel(logging.CRITICAL)
     if config_file:
         file_values = load_toml(config_file)
         ctx.default_map = {k: v for k, v in file_values.items() if isinstance(v, dict)}
