@@ -281,14 +281,7 @@ def end_offsets(
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> dict[TopicPartition, int]:
     """End offsets; with a read_committed consumer, the last stable offsets."""
-    if not partitions:
-        return {}
-    return retrying(
-        lambda: dict(consumer.end_offsets(list(partitions), timeout_ms=10_000)),
-        "reading end offsets",
-        kafka,
-        deadline_s,
-    )
+    return _list_offsets(consumer.end_offsets, "end", kafka, partitions, deadline_s)
 
 
 def beginning_offsets(
@@ -297,11 +290,22 @@ def beginning_offsets(
     partitions: Sequence[TopicPartition],
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> dict[TopicPartition, int]:
+    """First offsets still retained."""
+    return _list_offsets(consumer.beginning_offsets, "beginning", kafka, partitions, deadline_s)
+
+
+def _list_offsets(
+    lookup: Callable[..., dict[TopicPartition, int]],
+    which: str,
+    kafka: KafkaSettings,
+    partitions: Sequence[TopicPartition],
+    deadline_s: float,
+) -> dict[TopicPartition, int]:
     if not partitions:
         return {}
     return retrying(
-        lambda: dict(consumer.beginning_offsets(list(partitions), timeout_ms=10_000)),
-        "reading beginning offsets",
+        lambda: dict(lookup(list(partitions), timeout_ms=10_000)),
+        f"reading {which} offsets",
         kafka,
         deadline_s,
     )

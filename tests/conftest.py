@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import topic_factory
+
 REPO = Path(__file__).resolve().parents[1]
 BOOTSTRAP = os.environ.get("PIPELINE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
 
@@ -33,26 +35,9 @@ def kafka_settings(broker: str):
 
 @pytest.fixture
 def make_topic(broker: str) -> Iterator[Callable[..., str]]:
-    """Creates fresh uniquely named topics; deletes them after the test."""
-    from kafka.admin import KafkaAdminClient, NewTopic
-
-    admin = KafkaAdminClient(bootstrap_servers=broker, client_id="tests")
-    created: list[str] = []
-
-    def create(partitions: int = 1, prefix: str = "t") -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        admin.create_topics([NewTopic(name, partitions, 1)])
-        created.append(name)
-        return name
-
-    yield create
-    try:
-        existing = set(admin.list_topics())
-        doomed = [t for t in created + [f"{t}.dlq" for t in created] if t in existing]
-        if doomed:
-            admin.delete_topics(doomed)
-    finally:
-        admin.close()
+    """Fresh topics for one test."""
+    with topic_factory(broker) as create:
+        yield create
 
 
 @pytest.fixture

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +225,27 @@ def write_segment(
 def truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 3])
+
+
+@contextlib.contextmanager
+def topic_factory(broker: str) -> Iterator[Callable[..., str]]:
+    """Creates fresh uniquely named topics; deletes them (and their .dlq) on exit."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=broker, client_id="tests")
+    created: list[str] = []
+
+    def create(partitions: int = 1, prefix: str = "t") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(name, partitions, 1)])
+        created.append(name)
+        return name
+
+    try:
+        yield create
+        existing = set(admin.list_topics())
+        doomed = [t for t in created + [f"{t}.dlq" for t in created] if t in existing]
+        if doomed:
+            admin.delete_topics(doomed)
+    finally:
+        admin.close()

@@ -36,7 +36,7 @@ from tests.foreign import (
     python_produce,
     stored_batches,
 )
-from tests.helpers import run_until_end
+from tests.helpers import run_until_end, topic_factory
 
 pytestmark = pytest.mark.integration
 
@@ -72,27 +72,10 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def module_topic(broker: str) -> Iterator[Callable[[int, str], str]]:
-    """Creates fresh topics for the module; deletes them (and their .dlq) at its end."""
-    from kafka.admin import KafkaAdminClient, NewTopic
-
-    admin = KafkaAdminClient(bootstrap_servers=broker, client_id="tests")
-    created: list[str] = []
-
-    def create(partitions: int, prefix: str) -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        admin.create_topics([NewTopic(name, partitions, 1)])
-        created.append(name)
-        return name
-
-    yield create
-    try:
-        existing = set(admin.list_topics())
-        doomed = [t for t in created + [f"{t}.dlq" for t in created] if t in existing]
-        if doomed:
-            admin.delete_topics(doomed)
-    finally:
-        admin.close()
+def module_topic(broker: str) -> Iterator[Callable[..., str]]:
+    """Fresh topics for the module, deleted at its end."""
+    with topic_factory(broker) as create:
+        yield create
 
 
 def run_cases(broker: str, cases: dict[str, Case], output: Path) -> Run:

@@ -9,6 +9,7 @@ from typing import Any
 from pipeline.audit.accounting import PartitionAudit
 from pipeline.audit.kafka_reads import DeadLetters
 from pipeline.audit.ranges import count, describe_ranges
+from pipeline.tables import align
 
 
 def audit_report(
@@ -61,15 +62,7 @@ def render_audit(report: Mapping[str, Any]) -> str:
         "DLQ_REPEATS",
     ]
     table = [columns] + [_audit_cells(p) for p in report["partitions"]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-    right = {1, 2, 3, 4, 7}
-    lines = [
-        "  ".join(
-            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
-            for i, cell in enumerate(row)
-        ).rstrip()
-        for row in table
-    ]
+    lines = align(table, right={1, 2, 3, 4, 7})
     lines.extend(f"damaged: {d['file']} ({d['reason']})" for d in report.get("damaged", []))
     lines.extend(f"warning: {w}" for w in report.get("warnings", []))
     lines.append(_verdict_line(report))

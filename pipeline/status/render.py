@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
+
+from pipeline.tables import align
 
 
 def render_table(status: Mapping[str, Any]) -> str:
@@ -13,7 +15,7 @@ def render_table(status: Mapping[str, Any]) -> str:
     if with_output:
         columns += ["ROWS", "INDEX", "MISMATCH"]
     table = [columns] + [_cells(row, with_output) for row in status["partitions"]]
-    lines.extend(_align(table, right={1, 2, 3, 4, 5, 8, 9}))
+    lines.extend(align(table, right={1, 2, 3, 4, 5, 8, 9}))
     lines.extend(f"warning: {w}" for w in status.get("warnings", []))
     return "\n".join(lines)
 
@@ -52,17 +54,6 @@ def _cells(row: Mapping[str, Any], with_output: bool) -> list[str]:
         mismatch = row.get("mismatch") or ""
         cells += [_dash(row.get("rows")), _dash(row.get("index_entries")), mismatch]
     return cells
-
-
-def _align(table: Sequence[Sequence[str]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    return [
-        "  ".join(
-            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
-            for i, cell in enumerate(row)
-        ).rstrip()
-        for row in table
-    ]
 
 
 def _dash(value: Any) -> str:
