@@ -232,14 +232,12 @@ class Reader:
         output: Path,
         kafka: KafkaSettings,
         *,
-        from_committed: bool = False,
         on_quarantine: Callable[[], None] = lambda: None,
     ) -> None:
         self.consumer = consumer
         self.ownership = ownership
         self.output = output
         self.kafka = kafka
-        self.from_committed = from_committed
         self.on_quarantine = on_quarantine
         self.states: dict[TopicPartitionKey, ReadState] = {}
 
@@ -301,7 +299,8 @@ class Reader:
                 begin = beginnings[tp]
                 offset = committed.get(tp)
                 if offset is not None and offset > begin:
-                    # Checked at start: the user chose to start a fresh output here.
+                    # The worker refused this at start unless the user chose it
+                    # (--from-committed): the segment records that choice.
                     starts[(tp.topic, tp.partition)] = (offset, START_FROM_COMMITTED)
                 else:
                     starts[(tp.topic, tp.partition)] = (begin, None)
