@@ -138,9 +138,16 @@ class Worker:
 
     def run(self) -> RunSummary:
         """Runs until the end (bulk mode), a signal, or an error; returns a summary."""
-        with contextlib.ExitStack() as resources:
-            self._admin = resources.enter_context(cluster.admin_client(self.config.kafka))
-            return self._run()
+        try:
+            with contextlib.ExitStack() as resources:
+                self._admin = resources.enter_context(cluster.admin_client(self.config.kafka))
+                return self._run()
+        except kerrors.KafkaError as exc:
+            # Every expected Kafka failure is retried or mapped where it happens;
+            # one that slips through still ends in one line, not a traceback.
+            if cluster.is_retriable(exc):
+                raise cluster.unreachable(self.config.kafka, exc) from exc
+            raise PipelineError(f"Kafka refused the worker: {exc}") from exc
 
     def _run(self) -> RunSummary:
         committed = self._preflight()
@@ -260,7 +267,7 @@ class Worker:
         # A metadata refresh before the first poll: kafka-python snapshots the
         # subscribed topics' partitions on metadata updates, and a first join with
         # an empty snapshot is followed by a needless second rebalance.
-        consumer.topics()
+        cluster.retrying(consumer.topics, "reading topic metadata", cfg.kafka)
         return consumer
 
     def _start_stages(self) -> None:
