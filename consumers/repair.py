@@ -1,8 +1,8 @@
 """Damaged outputs, mended at start-up before the worker joins its group.
 
-1. Segments the index has not read yet (and each partition's last one) get
-   their footer checked; a damaged one is moved into `DIR/quarantine/` with a
-   note of the range it held (`sinks.segments.quarantine`), and counted.
+1. Every segment's footer is checked (the file's last few KiB); a damaged one
+   is moved into `DIR/quarantine/` with a note of the range it held
+   (`sinks.segments.quarantine`), and counted.
 2. Each pending note's range is read again from Kafka, embedded, and written
    as a new segment under the same name (create-if-absent: when several
    workers start together, one of them writes it). Its bad records are not
@@ -30,7 +30,6 @@ from pipeline.config import KafkaSettings, WorkerConfig
 from pipeline.embedder import Embedder
 from pipeline.host import call_on_fresh_thread
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
-from sinks.faiss_index import IndexStore
 from sinks.layout import SegmentKey, TopicPartitionKey, segments_by_partition
 from sinks.parquet import ParquetSink
 from sinks.segments import (
@@ -59,11 +58,10 @@ def repair_outputs(
     embedder: Embedder,
     parser: RecordParser,
     sink: ParquetSink,
-    index: IndexStore,
     committed: dict[TopicPartitionKey, int],
 ) -> RepairReport:
     report = RepairReport()
-    report.quarantined = quarantine_damaged(config, index)
+    report.quarantined = quarantine_damaged(config)
     for note in pending_notes(config.output):
         if note.topic not in config.topics:
             continue
@@ -75,16 +73,17 @@ def repair_outputs(
     return report
 
 
-def quarantine_damaged(config: WorkerConfig, index: IndexStore) -> int:
-    """Checks the footers of segments past the index's coverage; moves damaged ones aside."""
-    covered = index.coverage()
+def quarantine_damaged(config: WorkerConfig) -> int:
+    """Checks the footer of every segment; moves damaged ones aside.
+
+    Every segment, not only those past the index's coverage: a segment damaged
+    after the index read it (a disk error, a partial restore or copy) holds rows
+    that the index still has but the outputs no longer do, and only reading its
+    range again from Kafka mends that. A footer read is the file's last few KiB.
+    """
     moved = 0
-    for key, segments in segments_by_partition(config.output, config.topics).items():
-        through = covered.get(key, -1)
-        newest = segments[-1]
+    for segments in segments_by_partition(config.output, config.topics).values():
         for segment in segments:
-            if segment.key.first <= through and segment is not newest:
-                continue
             try:
                 read_info(segment)
             except FileNotFoundError:
@@ -104,7 +103,7 @@ def _repair(
     committed: dict[TopicPartitionKey, int],
 ) -> str:
     key = SegmentKey(note.topic, note.partition, note.first)
-    if (sink.directory / key.filename).exists():
+    if (sink.directory / key.filename).exists() or _covered(config, note):
         return _close(config, note, "repaired")  # its range was written again meanwhile
     last = _range_end(config, note, committed)
     if last is None:
@@ -158,6 +157,12 @@ def _range_end(
         for s in segments_by_partition(config.output, [note.topic]).get(key, [])
         if s.key.first > note.first
     ]
+    # Damaged neighbours moved aside too: the segments tiled, so this one ended before them.
+    later += [
+        other.first
+        for other in pending_notes(config.output)
+        if (other.topic, other.partition) == key and other.first > note.first
+    ]
     if later:
         return min(later) - 1
     # Nothing after it: the group's commit says how far it was published.
@@ -165,6 +170,23 @@ def _range_end(
     if commit is not None and commit > note.first:
         return commit - 1
     return None
+
+
+def _covered(config: WorkerConfig, note: QuarantineNote) -> bool:
+    """Whether a segment starting before the note's range already covers its first offset
+    (a neighbour's repair, or a new owner reading on from before it)."""
+    key = (note.topic, note.partition)
+    before = [
+        s
+        for s in segments_by_partition(config.output, [note.topic]).get(key, [])
+        if s.key.first < note.first
+    ]
+    if not before:
+        return False
+    try:
+        return read_info(before[-1]).last >= note.first
+    except (FileNotFoundError, DamagedSegment):
+        return False
 
 
 def _close(config: WorkerConfig, note: QuarantineNote, outcome: str) -> str:

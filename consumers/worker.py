@@ -232,7 +232,6 @@ class Worker:
             self.embedder,
             self.parser,
             self.parquet,
-            self.index,
             {(tp.topic, tp.partition): offset for tp, offset in committed.items()},
         )
         self.metrics.quarantined.inc(report.quarantined)

@@ -250,20 +250,6 @@ class IndexStore:
                 damaged.reason,
             )
 
-    def coverage(self) -> dict[TopicPartitionKey, int]:
-        """The last offset indexed per partition, as saved (empty without an index)."""
-        try:
-            saved = self._saved_meta()
-        except IndexStateError:
-            return {}
-        if saved is None:
-            return {}
-        found = {}
-        for name, last in saved.covered.items():
-            topic, _, partition = name.rpartition(":")
-            found[(topic, int(partition))] = last
-        return found
-
     def _ensure(self, dim: int | None, path: Path) -> IndexMeta:
         if self._meta is None:
             if self.index_type != "flat":

@@ -54,15 +54,45 @@ def test_truncated_segments_are_moved_aside_and_read_again(
     options = ("--batch-size", "16", "--model", tiny_model)
     assert run_until_end(broker, topic, group_id, out, *options).returncode == 0
     segments = segments_by_partition(out)
-    middle = segments[(topic, 0)][2].path  # a hole: segments follow it
-    last = segments[(topic, 1)][-1].path  # the end of a partition
-    truncate(middle)
-    truncate(last)
+    # Two neighbours in the middle of a partition, already indexed (a disk error,
+    # a partial restore), and the last segment of the other partition.
+    damaged = [s.path for s in segments[(topic, 0)][2:4]] + [segments[(topic, 1)][-1].path]
+    for path in damaged:
+        truncate(path)
     # A temp file another machine's writer left long ago (containers change hostname).
-    stray = vectors_dir(out) / f".{middle.name}.0.other_host.1.cafe.tmp"
+    stray = vectors_dir(out) / f".{damaged[0].name}.0.other_host.1.cafe.tmp"
     stray.write_bytes(b"partial")
     old = time.time() - STALE_TEMP_AGE_S - 60
     os.utime(stray, (old, old))
+
+    result = run_until_end(broker, topic, group_id, out, *options)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "damaged segment" in result.stderr
+    moved = sorted(p.name for p in quarantine_dir(out).iterdir() if not p.name.endswith(".json"))
+    assert [name.split(".parquet")[0] for name in moved] == sorted(
+        path.name.split(".parquet")[0] for path in damaged
+    )
+    notes = [json.loads(p.read_text()) for p in quarantine_dir(out).glob("*.json")]
+    assert all(note["repaired"] for note in notes), notes
+    assert not stray.exists()
+    every_offset_once(out, topic, {0: 100, 1: 100})
+    for path in damaged:
+        pq.read_table(path)  # whole again
+    assert committed_offsets(broker, group_id, topic) == {0: 100, 1: 100}
+
+
+def test_index_rebuild_skips_a_damaged_segment_with_one_line(
+    broker, make_topic, group_id, tmp_path, tiny_model
+):
+    topic = make_topic(partitions=1)
+    publish_json(broker, topic, corpus_records(64), partitions=1)
+    out = tmp_path / "out"
+    options = ("--batch-size", "16", "--model", tiny_model)
+    assert run_until_end(broker, topic, group_id, out, *options).returncode == 0
+    damaged = segments_by_partition(out)[(topic, 0)][1].path
+    truncate(damaged)
 
     rebuild = subprocess.run(
         [*PIPELINE, "index", "rebuild", "--output", str(out)],
@@ -72,26 +102,11 @@ def test_truncated_segments_are_moved_aside_and_read_again(
         text=True,
         timeout=120,
     )
+
     assert rebuild.returncode == IndexStateError.exit_code, rebuild.stderr
     assert "Traceback" not in rebuild.stderr
-    assert middle.name in rebuild.stderr and last.name in rebuild.stderr
-
-    result = run_until_end(broker, topic, group_id, out, *options)
-
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    assert "damaged segment" in result.stderr
-    moved = sorted(p.name for p in quarantine_dir(out).iterdir() if not p.name.endswith(".json"))
-    assert [name.split(".parquet")[0] for name in moved] == sorted(
-        [middle.name.split(".parquet")[0], last.name.split(".parquet")[0]]
-    )
-    notes = [json.loads(p.read_text()) for p in quarantine_dir(out).glob("*.json")]
-    assert all(note["repaired"] for note in notes), notes
-    assert not stray.exists()
-    every_offset_once(out, topic, {0: 100, 1: 100})
-    for path in (middle, last):
-        pq.read_table(path)  # whole again
-    assert committed_offsets(broker, group_id, topic) == {0: 100, 1: 100}
+    assert damaged.name in rebuild.stderr
+    assert "index rebuilt: 16 vectors" in rebuild.stdout  # the segment before it
 
 
 def _commit(bootstrap: str, group: str, topic: str, offsets: dict[int, int]) -> None:
