@@ -15,8 +15,6 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from pipeline.errors import OutputError
 from pipeline.records import GoodRecord
 from sinks.layout import TMP_SUFFIX, SegmentKey, vectors_dir
 from sinks.segments import segment_metadata
+from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files
 
 # Codec chosen by measurement (2,000 docstring paragraphs, 384-d float32, pyarrow 26):
 # none 2.22 MB, snappy 2.09 MB, lz4 2.08 MB, zstd 1.90 MB, and zstd with
@@ -39,15 +38,7 @@ from sinks.segments import segment_metadata
 CODEC = "zstd"
 _EMBEDDING_LEAF = "embedding.list.element"
 
-_HOST = socket.gethostname().replace(".", "_")
-# Distinguishes this process from an earlier one with the same pid (pid 1 in containers).
-_TOKEN = os.urandom(4).hex()
-_WRITER = f"{_HOST}.{os.getpid()}.{_TOKEN}"
 _stage_numbers = itertools.count()
-# A temp file this old is garbage whoever wrote it: a live writer stages and
-# publishes within seconds. (Removing a live writer's file is safe anyway: its
-# publish then fails like a lost race, and the range is written again.)
-STALE_TEMP_AGE_S = 15 * 60
 
 
 def schema(dim: int) -> pa.Schema:
@@ -83,12 +74,14 @@ class ParquetSink:
         self._dim = model.dim
 
     def prepare(self) -> int:
-        """Creates the directory, checks it is writable, removes dead writers' temp files."""
+        """Creates the directory, checks it is writable, registers this writer (see
+        sinks.writers) and removes dead writers' temp files."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / f".probe.{_WRITER}{TMP_SUFFIX}"
+            probe = self.directory / f".probe.{WRITER}{TMP_SUFFIX}"
             probe.write_bytes(b"")
             probe.unlink()
+            hold_writer_lock(self.directory)
         except OSError as exc:
             raise OutputError(f"output directory {self.directory} is not writable: {exc}") from exc
         return remove_stale_temp_files(self.directory)
@@ -105,8 +98,8 @@ class ParquetSink:
         """Writes offsets key.first..last (`consumed` records, the good ones given) aside."""
         final = self.directory / key.filename
         # Unique per call: a staged file is never overwritten by another stage.
-        tmp = self.directory / f".{key.filename}.{next(_stage_numbers)}.{_WRITER}{TMP_SUFFIX}"
-        metadata = segment_metadata(key.first, last, consumed, _WRITER, start)
+        tmp = self.directory / f".{key.filename}.{next(_stage_numbers)}.{WRITER}{TMP_SUFFIX}"
+        metadata = segment_metadata(key.first, last, consumed, WRITER, start)
         table = self._table(records, vectors, {**self._model_metadata, **metadata})
         try:
             with open(tmp, "wb") as fh:
@@ -182,50 +175,6 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def remove_stale_temp_files(directory: Path, max_age_s: float = STALE_TEMP_AGE_S) -> int:
-    """Removes temp files whose writer is dead or that are older than `max_age_s`.
-
-    Several workers may share one output directory, on one machine or several
-    (containers change their hostname on every start): a temp file of this
-    host is garbage once its process is gone; any temp file is garbage once it
-    is older than any live write takes.
-    """
-    removed = 0
-    now = time.time()
-    for path in directory.glob(f".*{TMP_SUFFIX}"):
-        writer = path.name[: -len(TMP_SUFFIX)].rsplit(".", 3)[1:]
-        try:
-            old = now - path.stat().st_mtime > max_age_s
-        except FileNotFoundError:
-            continue  # published or removed meanwhile
-        if not (old or _writer_is_dead(writer)):
-            continue
-        path.unlink(missing_ok=True)
-        removed += 1
-    return removed
-
-
-def _writer_is_dead(writer: list[str]) -> bool:
-    if len(writer) != 3 or not writer[1].isdigit():
-        return True  # not a name this sink makes
-    host, pid, token = writer[0], int(writer[1]), writer[2]
-    if host != _HOST:
-        return False  # another host's writer: only age tells (see remove_stale_temp_files)
-    if pid == os.getpid():
-        return token != _TOKEN
-    return not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def output_error(exc: OSError, path: Path) -> OutputError:

@@ -16,7 +16,7 @@ from kafka.structs import OffsetAndMetadata
 
 from pipeline.errors import IndexStateError, OutputError
 from sinks.layout import quarantine_dir, segments_by_partition, vectors_dir
-from sinks.parquet import STALE_TEMP_AGE_S
+from sinks.writers import STALE_TEMP_AGE_S
 from tests.helpers import (
     PIPELINE,
     REPO,

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
 from pipeline.records import GoodRecord, SourceRecord
 from sinks import parquet as parquet_mod
+from sinks import writers
 from sinks.layout import (
     SegmentFile,
     SegmentKey,
@@ -27,8 +29,9 @@ from sinks.layout import (
     segments_by_partition,
     vectors_dir,
 )
-from sinks.parquet import ParquetSink, output_error, remove_stale_temp_files
+from sinks.parquet import ParquetSink, output_error
 from sinks.segments import DamagedSegment, covered_through, pending_notes, quarantine, read_info
+from sinks.writers import remove_stale_temp_files
 
 DIM = 8
 MODEL = ModelInfo(
@@ -256,7 +259,7 @@ def test_discard_removes_the_temp_file(sink: ParquetSink, tmp_path: Path) -> Non
     staged = stage(sink, "t", 0, 0, 0, [0])
     ParquetSink.discard(staged)
     assert not staged.tmp_path.exists()
-    assert list(vectors_dir(tmp_path).iterdir()) == []
+    assert [p.name for p in vectors_dir(tmp_path).iterdir()] == [writers.WRITERS_DIR]
 
 
 # ------------------------------------------------------------------ coverage and damage
@@ -311,7 +314,7 @@ def _dead_pid() -> int:
 
 
 def test_remove_stale_temp_files_only_removes_dead_writers(tmp_path: Path) -> None:
-    host = parquet_mod._HOST
+    host = writers.HOST
     live = subprocess.Popen(["sleep", "60"])
     try:
         dead_file = tmp_path / _tmp_name(host, _dead_pid())
@@ -326,7 +329,7 @@ def test_remove_stale_temp_files_only_removes_dead_writers(tmp_path: Path) -> No
         assert remote_file.exists()  # another machine's writer: young, so maybe alive
         assert segment.exists()  # finished files are never touched
         # Old enough, any temp file is garbage, whatever host or process named it.
-        old = time.time() - parquet_mod.STALE_TEMP_AGE_S - 60
+        old = time.time() - writers.STALE_TEMP_AGE_S - 60
         for path in (live_file, remote_file, segment):
             os.utime(path, (old, old))
         assert remove_stale_temp_files(tmp_path) == 2
@@ -339,7 +342,7 @@ def test_remove_stale_temp_files_only_removes_dead_writers(tmp_path: Path) -> No
 
 def test_remove_stale_temp_files_same_pid_earlier_process(tmp_path: Path) -> None:
     # Same host and pid as us but another token: an earlier process (pid reuse).
-    earlier = tmp_path / _tmp_name(parquet_mod._HOST, os.getpid(), "00000000")
+    earlier = tmp_path / _tmp_name(writers.HOST, os.getpid(), "00000000")
     earlier.write_bytes(b"x")
     assert remove_stale_temp_files(tmp_path) == 1
     assert not earlier.exists()
@@ -354,9 +357,53 @@ def test_prepare_keeps_this_process_staged_file(sink: ParquetSink, tmp_path: Pat
 def test_prepare_removes_dead_writer_files_and_reports_count(tmp_path: Path) -> None:
     directory = vectors_dir(tmp_path)
     directory.mkdir()
-    (directory / _tmp_name(parquet_mod._HOST, _dead_pid())).write_bytes(b"x")
+    (directory / _tmp_name(writers.HOST, _dead_pid())).write_bytes(b"x")
     assert ParquetSink(tmp_path, MODEL).prepare() == 1
-    assert list(directory.iterdir()) == []
+    assert [p.name for p in directory.iterdir()] == [writers.WRITERS_DIR]
+
+
+_WRITER_ELSEWHERE = """
+import sys, time
+from pathlib import Path
+from sinks import writers
+writers.WRITER = "container_4f2a.1.{token}"  # another container: another host name, pid 1
+directory = Path(sys.argv[1])
+writers.hold_writer_lock(directory)
+name = ".t-p00000-00000000000000000000.parquet.0.container_4f2a.1.{token}.tmp"
+(directory / name).write_bytes(b"x")
+print("ready", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _writer_elsewhere(directory: Path, token: str, lives_s: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_ELSEWHERE.format(token=token), str(directory), str(lives_s)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_dead_writers_temp_file_goes_whatever_host_wrote_it(tmp_path: Path) -> None:
+    # Containers sharing a volume change host names and all run as pid 1: the
+    # writer's lock, not its name, says whether it still lives.
+    live = _writer_elsewhere(tmp_path, "aaaa", 60)
+    dead = _writer_elsewhere(tmp_path, "bbbb", 0)
+    try:
+        dead.kill()  # SIGKILL: no clean-up of its own
+        dead.wait()
+        assert remove_stale_temp_files(tmp_path) == 1
+        names = sorted(p.name for p in tmp_path.glob(".*.tmp"))
+        assert names == [".t-p00000-00000000000000000000.parquet.0.container_4f2a.1.aaaa.tmp"]
+        locks = sorted(p.name for p in (tmp_path / writers.WRITERS_DIR).iterdir())
+        assert locks == ["container_4f2a.1.aaaa.lock"]  # the dead writer's lock is gone too
+    finally:
+        live.kill()
+        live.wait()
+    assert remove_stale_temp_files(tmp_path) == 1
 
 
 # ------------------------------------------------------------------ errors
@@ -398,7 +445,7 @@ def test_stage_on_full_disk_raises_output_error_and_leaves_no_temp(
     monkeypatch.setattr(parquet_mod.os, "fsync", no_space)
     with pytest.raises(OutputError, match="disk full"):
         stage(sink, "t", 0, 0, 0, [0])
-    assert list(vectors_dir(tmp_path).iterdir()) == []
+    assert [p.name for p in vectors_dir(tmp_path).iterdir()] == [writers.WRITERS_DIR]
 
 
 def test_publish_failure_raises_output_error(
