@@ -218,6 +218,23 @@ class Applied:
     commit_to: dict[TopicPartitionKey, int] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
 
+    def unchanged(self, polled: dict[Any, list[Any]]) -> dict[Any, list[Any]]:
+        """What a poll returned, less the records of every changed partition.
+
+        They were fetched from where kafka-python put the partition (the group's
+        commit, or its old position), not from where it now starts; the seek
+        fetches them again from there. (Kept, records past the start would be
+        taken as if everything before them had been read: a damaged last segment
+        moved aside leaves the outputs behind the commit, and its range was lost.)
+        """
+        if not self.changed:
+            return polled
+        return {
+            tp: records
+            for tp, records in polled.items()
+            if (tp.topic, tp.partition) not in self.changed
+        }
+
 
 class Reader:
     """The poll thread's side: positions, record filtering and pauses.

@@ -308,8 +308,7 @@ class Worker:
             self._collect_published()
             self._flow_control()
             timeout = self._poll_timeout_ms()
-            polled = self._poll(timeout)
-            self._apply_rebalance()
+            polled = self._apply_rebalance(self._poll(timeout))
             if polled:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = time.monotonic()
@@ -513,12 +512,18 @@ class Worker:
 
     # -- rebalances and positions ---------------------------------------------------
 
-    def _apply_rebalance(self) -> None:
-        """After each poll: whatever the group (or a lost publish race) changed."""
+    def _apply_rebalance(self, polled: dict[Any, list[Any]]) -> dict[Any, list[Any]]:
+        """After each poll: whatever the group (or a lost publish race) changed.
+
+        Returns what the poll returned, less the records of every changed
+        partition: they were fetched from where kafka-python put the partition
+        (the group's commit, or the old position), not from where it now starts,
+        and are fetched again from there.
+        """
         assert self._reader is not None and self._committer is not None
         applied: Applied = self._reader.apply()
         if not applied.changed:
-            return
+            return polled
         self.batcher.drop(applied.changed)
         self._committer.forget(applied.changed - set(applied.started))
         for key, offset in applied.started.items():
@@ -528,6 +533,7 @@ class Worker:
             self._committer.add_position(key, offset, self._reader.epoch(key))
         for change in applied.changes:
             self.metrics.rebalances.labels(change).inc()
+        return applied.unchanged(polled)
 
     def _out_of_range(self, offsets: dict[TopicPartition, int]) -> None:
         """A partition position that Kafka no longer (or not yet) has."""
@@ -637,8 +643,7 @@ class Worker:
                 break
             # Keep the membership alive while the last batches finish.
             self._reader.set_paused(True)
-            self._poll(50)
-            self._apply_rebalance()
+            self._apply_rebalance(self._poll(50))
             self._collect_published()
         self._collect_published()
 

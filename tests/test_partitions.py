@@ -216,3 +216,21 @@ def test_revocation_waits_for_in_flight_work_but_a_loss_does_not(world) -> None:
     assert ownership.owned() == set()
     changes = [e.change for e in ownership.events()]
     assert changes == [Change.ASSIGNED, Change.REVOKED, Change.LOST]
+
+
+def test_records_polled_before_a_partition_was_sought_are_not_taken(world, tmp_path: Path) -> None:
+    # The group committed up to 333, but the outputs end at 327 (the last segment
+    # was damaged and moved aside): the poll that assigned the partition returned
+    # records from 333, fetched before the seek to 328. Taking them would claim
+    # 328..332 as read.
+    consumer, ownership, reader = world
+    publish(tmp_path, 0, 310, 327)
+    consumer.commits[TopicPartition(T, 0)] = 333
+    assign(consumer, ownership, 0, 1)
+    polled = {TopicPartition(T, 0): ["record@333"], TopicPartition(T, 7): ["other"]}
+
+    applied = reader.apply()
+
+    assert applied.started[(T, 0)] == 328
+    assert applied.unchanged(polled) == {TopicPartition(T, 7): ["other"]}
+    assert reader.apply().unchanged(polled) == polled  # nothing changed since
