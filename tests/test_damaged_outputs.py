@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ from tests.helpers import (
     output_rows,
     publish_json,
     run_until_end,
+    start_worker,
+    stop,
     worker_env,
 )
 
@@ -143,3 +146,51 @@ def test_a_fresh_output_for_a_group_that_consumed_is_the_users_choice(
     }
     first = segments_by_partition(out)[(topic, 0)][0].path
     assert pq.read_schema(first).metadata[b"segment.start"] == b"from-committed"
+
+
+def _members(bootstrap: str, group: str) -> int:
+    from kafka.admin import KafkaAdminClient
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="tests")
+    try:
+        return len(admin.describe_groups([group]).get(group, {}).get("members") or [])
+    finally:
+        admin.close()
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
+        time.sleep(0.3)
+
+
+def test_a_damaged_last_segment_behind_the_commit_is_read_again_by_the_next_owner(
+    broker, make_topic, group_id, tmp_path, tiny_model
+):
+    """The group committed 100; the segment holding 84..99 is damaged after the
+    worker that will take the partition over has started. Its new owner must
+    read 84..99 again, not only what comes after the commit."""
+    topic = make_topic(partitions=1)
+    publish_json(broker, topic, corpus_records(100), partitions=1)
+    out = tmp_path / "out"
+    options = ("--batch-size", "16", "--session-timeout-ms", "6000", "--model", tiny_model)
+    first = start_worker(broker, topic, group_id, out, *options, log=tmp_path / "a.log")
+    second_log = tmp_path / "b.log"
+    try:
+        _wait_for(lambda: committed_offsets(broker, group_id, topic) == {0: 100}, "commit 100")
+        second = start_worker(broker, topic, group_id, out, *options, log=second_log)
+        _wait_for(lambda: _members(broker, group_id) == 2, "the second worker in the group")
+        time.sleep(2)  # past its start-up repair, owning nothing
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        truncate(segments_by_partition(out)[(topic, 0)][-1].path)
+        publish_json(broker, topic, corpus_records(10, seed=1), partitions=1)
+        _wait_for(lambda: committed_offsets(broker, group_id, topic) == {0: 110}, "commit 110")
+        assert stop(second) == 0, second_log.read_text()[-3000:]
+        assert "reading from: " + f"{topic}[0]@96" in second_log.read_text()
+    finally:
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    every_offset_once(out, topic, {0: 110})
