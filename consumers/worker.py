@@ -127,10 +127,11 @@ class Worker:
         self._end_checks_failing_since: float | None = None
         self._admin: Any = None
         # The revoke wait runs on kafka-python's IO thread and holds up heartbeats:
-        # keep it well inside both the session timeout and the rebalance timeout.
+        # with a heartbeat due every third of the session timeout, a wait of another
+        # third keeps the session alive, and well inside the rebalance timeout.
         self._revoke_timeout_s = min(
             config.revoke_timeout_s,
-            config.session_timeout_ms / 2000,
+            config.session_timeout_ms / 3000,
             config.max_poll_interval_ms / 2000,
         )
 
