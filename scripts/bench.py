@@ -651,8 +651,8 @@ def read_vectors(output: Path) -> tuple[list[str], np.ndarray]:
 
     ids: list[str] = []
     blocks: list[np.ndarray] = []
-    for _, path in iter_segments(output):
-        table = pq.read_table(path, columns=["id", "embedding"])
+    for segment in iter_segments(output):
+        table = pq.read_table(segment.path, columns=["id", "embedding"])
         if table.num_rows == 0:
             continue
         column = table.column("embedding").combine_chunks()
