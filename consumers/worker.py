@@ -34,6 +34,7 @@ from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from pipeline.config import WorkerConfig
 from pipeline.embedder import Embedder
 from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
+from pipeline.host import process_age_s
 from pipeline.metrics import WorkerMetrics
 from pipeline.progress import Progress
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
@@ -105,7 +106,10 @@ class Worker:
         self.in_flight = self.ownership.in_flight
         self.parser = RecordParser(config.text_field, config.id_field, config.max_text_bytes)
         self.batcher = Batcher(
-            config.batch_size, config.max_batch_tokens, config.poll_timeout_ms / 1000
+            config.batch_size,
+            config.max_batch_tokens,
+            config.poll_timeout_ms / 1000,
+            max_bytes=config.max_batch_bytes,
         )
         self.parquet = ParquetSink(config.output, embedder.info)
         self.index = IndexStore(config.output, use_gpu=embedder.info.device == "cuda")
@@ -313,6 +317,7 @@ class Worker:
             if polled:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = time.monotonic()
+                    log.info("first record polled %.1fs after process start", process_age_s())
                 self._ingest(polled)
             self._cover_skipped_offsets()
             if self.batcher.is_open and self._caught_up(empty_poll=not polled, timeout=timeout):

@@ -32,6 +32,7 @@ _batch_numbers = itertools.count(1)
 class CloseReason(enum.Enum):
     RECORDS = "records"  # --batch-size reached
     TOKENS = "tokens"  # --max-batch-tokens reached
+    BYTES = "bytes"  # --max-batch-bytes reached
     AGE = "age"  # --poll-timeout-ms after its first record
     CAUGHT_UP = "caught_up"  # a poll found nothing more to read
     SHUTDOWN = "shutdown"  # handed off as the worker drains
@@ -43,6 +44,7 @@ class MicroBatch:
     bad: list[BadRecord] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     tokens: int = 0
+    value_bytes: int = 0  # of the records' values, good and bad
     # (topic, partition) -> [first offset, last offset] covered by this batch
     ranges: dict[TopicPartitionKey, list[int]] = field(default_factory=dict)
     epochs: dict[TopicPartitionKey, int] = field(default_factory=dict)
@@ -77,6 +79,8 @@ class MicroBatch:
             bad=[b for b in self.bad if _key(b) not in dropped],
             token_ids=[self.token_ids[i] for i in keep],
             tokens=sum(len(self.token_ids[i]) for i in keep),
+            value_bytes=sum(_size(r) for r in self.good if _key(r) not in dropped)
+            + sum(_size(b) for b in self.bad if _key(b) not in dropped),
             ranges={k: v for k, v in self.ranges.items() if k not in dropped},
             epochs={k: v for k, v in self.epochs.items() if k not in dropped},
             start_notes={k: v for k, v in self.start_notes.items() if k not in dropped},
@@ -91,8 +95,13 @@ def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
     return (record.source.topic, record.source.partition)
 
 
+def _size(record: GoodRecord | BadRecord) -> int:
+    return len(record.source.value or b"")
+
+
 class Batcher:
-    """Closes micro-batches on record count, token budget or age of the first record."""
+    """Closes micro-batches on record count, token budget, value bytes or age of the
+    first record. The byte bound is the one that holds memory whatever the texts."""
 
     def __init__(
         self,
@@ -100,9 +109,11 @@ class Batcher:
         max_tokens: int,
         max_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
+        max_bytes: int | None = None,
     ) -> None:
         self.max_records = max_records
         self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
         self.max_wait_s = max_wait_s
         self._clock = clock
         self._open: MicroBatch | None = None
@@ -140,10 +151,15 @@ class Batcher:
         closed: list[MicroBatch] = []
         for record, ids in parsed:
             n_tokens = len(ids) if ids is not None else 0
+            size = _size(record)
             batch = self._open
-            if batch is not None and batch.good and batch.tokens + n_tokens > self.max_tokens:
-                closed.append(self._close(CloseReason.TOKENS))
+            if batch is not None and len(batch):
+                if batch.good and batch.tokens + n_tokens > self.max_tokens:
+                    closed.append(self._close(CloseReason.TOKENS))
+                elif self.max_bytes is not None and batch.value_bytes + size > self.max_bytes:
+                    closed.append(self._close(CloseReason.BYTES))
             batch = self._ensure_open()
+            batch.value_bytes += size
             key = _key(record)
             offset = record.source.offset
             batch.cover(key, self._next.get(key, offset), offset, epoch_of(key))
@@ -159,6 +175,8 @@ class Batcher:
                 closed.append(self._close(CloseReason.RECORDS))
             elif batch.tokens >= self.max_tokens:
                 closed.append(self._close(CloseReason.TOKENS))
+            elif self.max_bytes is not None and batch.value_bytes >= self.max_bytes:
+                closed.append(self._close(CloseReason.BYTES))
         return closed
 
     def due(self) -> MicroBatch | None:

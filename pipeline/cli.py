@@ -27,12 +27,13 @@ from pipeline.config import (
     PRECISIONS,
     SASL_MECHANISMS,
     SECURITY_PROTOCOLS,
+    SHAPES,
     KafkaSettings,
     WorkerConfig,
     load_toml,
 )
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.host import call_on_fresh_thread
+from pipeline.host import CpuPlan, call_on_fresh_thread, plan_cpu, usable_cpus
 
 if TYPE_CHECKING:
     from pipeline.embedder import Embedder
@@ -299,6 +300,7 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option("--batch-size", type=int)
 @_run_option("--poll-timeout-ms", type=int)
 @_run_option("--max-batch-tokens", type=int)
+@_run_option("--max-batch-bytes", type=int, help="Bytes of record values per micro-batch.")
 @_run_option("--sub-batch-tokens", type=int, help="Padded tokens per forward pass.")
 @_run_option("--max-in-flight", type=int)
 @_run_option("--precision", type=click.Choice(PRECISIONS))
@@ -328,11 +330,23 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 )
 @env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
 @env_option("--progress/--no-progress", default=True, show_default=True)
+@_run_option(
+    "--shapes",
+    type=click.Choice(SHAPES),
+    help="Forward-pass shapes: a bounded set, or each batch's own (to measure the difference).",
+)
+@env_option(
+    "--replicas",
+    type=int,
+    default=None,
+    help="Model replicas running passes at once on the CPU [default: one per usable core, "
+    "less one above two, at most 4].",
+)
 @env_option(
     "--torch-threads",
     type=int,
     default=None,
-    help="CPU threads for the model [default: all cores, less one above two].",
+    help="CPU threads per replica [default: the usable cores the replicas leave, shared].",
 )
 @click.pass_obj
 def run(kafka: KafkaSettings, topic: tuple[str, ...], **options: Any) -> None:
@@ -352,19 +366,22 @@ def _run_worker(config: WorkerConfig) -> None:
     _check_cluster(config)  # fail fast, before the seconds a model load takes
     shutdown = threading.Event()
     _install_signal_handlers(shutdown)
-    _set_torch_threads(config)
-    # Loaded on a thread that exits: only the embed stage's thread keeps an
-    # OpenMP team (see pipeline.host).
-    embedder = call_on_fresh_thread(lambda: _load_model(config), name="model-load")
+    plan = _plan_cpu(config)
+    # Loaded on a thread that exits: only the replicas' threads keep OpenMP
+    # teams (see pipeline.host).
+    embedder = call_on_fresh_thread(lambda: _load_model(config, plan), name="model-load")
     metrics = WorkerMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.metrics_port)
         log.info("metrics on http://0.0.0.0:%d/metrics", config.metrics_port)
-    summary = run_worker(config, embedder, shutdown, metrics)
+    try:
+        summary = run_worker(config, embedder, shutdown, metrics)
+    finally:
+        embedder.close()
     click.echo(f"done: {summary}", err=True)
 
 
-def _load_model(config: WorkerConfig) -> Embedder:
+def _load_model(config: WorkerConfig, plan: CpuPlan) -> Embedder:
     from pipeline.embedder import Embedder
     from pipeline.precision import resolve_precision
 
@@ -373,7 +390,16 @@ def _load_model(config: WorkerConfig) -> Embedder:
         from pipeline.corpus import sample_texts
 
         precision = resolve_precision(config.model, config.device, "auto", sample_texts(256))
-    return Embedder.load(config.model, precision, config.device, config.sub_batch_tokens)
+    embedder = Embedder.load(
+        config.model,
+        precision,
+        config.device,
+        config.sub_batch_tokens,
+        replicas=plan.replicas,
+        threads_per_replica=plan.threads_per_replica,
+    )
+    embedder.exact_shapes = config.shapes == "exact"
+    return embedder
 
 
 def _check_cluster(config: WorkerConfig) -> None:
@@ -383,13 +409,16 @@ def _check_cluster(config: WorkerConfig) -> None:
         cluster.partitions_of(admin, config.kafka, config.topics)
 
 
-def _set_torch_threads(config: WorkerConfig) -> None:
+def _plan_cpu(config: WorkerConfig) -> CpuPlan:
     import torch
 
-    # Leave a core for polling, tokenizing and writing when there are several.
-    cores = os.cpu_count() or 1
-    threads = config.torch_threads or (cores if cores <= 2 else cores - 1)
-    torch.set_num_threads(threads)
+    from pipeline.embedder import pick_device
+
+    cpus = usable_cpus()
+    plan = plan_cpu(pick_device(config.device), cpus, config.replicas, config.torch_threads)
+    torch.set_num_threads(plan.threads_per_replica)
+    log.info("model threads: %s (%d usable CPUs)", plan, cpus)
+    return plan
 
 
 def _install_signal_handlers(shutdown: threading.Event) -> None:

@@ -26,6 +26,7 @@ DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_MODEL = "default"
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
+SHAPES = ("bucketed", "exact")
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 _SECRET_FIELDS = frozenset({"sasl_plain_password", "ssl_password"})
@@ -102,6 +103,9 @@ class WorkerConfig:
     batch_size: int = 4096
     poll_timeout_ms: int = 500
     max_batch_tokens: int = 262_144
+    # Bytes of record values per micro-batch: with max_in_flight, what bounds the
+    # records the worker holds, whatever their size.
+    max_batch_bytes: int = 16 * 1024 * 1024
     # Padded tokens (longest x count) per forward pass; bounds activation memory.
     sub_batch_tokens: int = 8_192
     max_in_flight: int = 2
@@ -129,6 +133,10 @@ class WorkerConfig:
     shutdown_timeout_s: float = 60.0
     metrics_port: int | None = None
     progress: bool = True
+    # Forward-pass shapes: "bucketed" (a bounded set, pipeline.shapes) or "exact".
+    shapes: str = "bucketed"
+    # Model replicas and threads per replica; None: from the usable CPUs (pipeline.host).
+    replicas: int | None = None
     torch_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -141,13 +149,19 @@ class WorkerConfig:
         _check_positive("batch size", self.batch_size)
         _check_positive("poll timeout (ms)", self.poll_timeout_ms)
         _check_positive("max batch tokens", self.max_batch_tokens)
+        _check_positive("max batch bytes", self.max_batch_bytes)
         _check_positive("sub-batch tokens", self.sub_batch_tokens)
         _check_positive("max in flight", self.max_in_flight)
         _check_positive("max text bytes", self.max_text_bytes)
         _check_positive("max poll interval (ms)", self.max_poll_interval_ms)
         _check_positive("broker timeout (s)", self.broker_timeout_s)
+        for name in ("replicas", "torch_threads"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive(name.replace("_", " "), value)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("shapes", self.shapes, SHAPES)
         if self.dlq_topic is not None:
             _check_topic_name(self.dlq_topic)
             if self.dlq_topic in self.topics:

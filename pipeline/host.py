@@ -1,4 +1,9 @@
-"""Running a call on a short-lived thread of its own, for where torch work runs.
+"""The CPUs this process may use, how the model's threads are laid out on them, and
+running a call on a short-lived thread of its own, for where torch work runs.
+
+`os.cpu_count()` is the host's core count; a container limited by a CPU quota, or
+a process pinned with taskset, may use far fewer. Sizing torch's thread team by
+the host made every pass a team of threads fighting for one or two real cores.
 
 libgomp (torch's OpenMP on the CPU) gives each thread that runs parallel ops a
 team of pool threads for the rest of that thread's life. Once it manages more
@@ -11,11 +16,115 @@ the thread that embeds later has the only one.
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Each replica holds a pass's activations (up to ~200 MB at the default budget).
+MAX_DEFAULT_REPLICAS = 4
+
+
+def usable_cpus(cgroup_root: Path = CGROUP_ROOT, proc_self: Path = Path("/proc/self")) -> int:
+    """CPUs this process may run on: affinity, bounded by a cgroup CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_self)
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota - 0.01)))
+    return max(1, cpus)
+
+
+def cgroup_cpu_quota(cgroup_root: Path, proc_self: Path) -> float | None:
+    """The CPU quota in cores (cgroup v2 cpu.max, or v1 cfs quota/period); None if unlimited."""
+    for directory in _cgroup_dirs(cgroup_root, proc_self):
+        v2 = _read(directory / "cpu.max")
+        if v2 is not None:
+            quota, _, period = v2.partition(" ")
+            if quota != "max" and period:
+                return int(quota) / int(period)
+            return None
+        quota_us = _read(directory / "cpu.cfs_quota_us")
+        period_us = _read(directory / "cpu.cfs_period_us")
+        if quota_us is not None and period_us is not None:
+            return int(quota_us) / int(period_us) if int(quota_us) > 0 else None
+    return None
+
+
+def _cgroup_dirs(root: Path, proc_self: Path) -> list[Path]:
+    """The process's own cgroup first (as /proc/self/cgroup names it), then the root."""
+    dirs: list[Path] = []
+    for line in (_read(proc_self / "cgroup") or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        relative = path.lstrip("/")
+        if controllers == "":
+            dirs.append(root / relative)
+        elif "cpu" in controllers.split(","):
+            for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                dirs.append(root / mount / relative)
+                dirs.append(root / mount)
+    dirs.append(root)
+    return dirs
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, ValueError):
+        return None
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (from /proc; 0.0 where there is none)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """How the model's work is laid out: replicas, each with a team of threads."""
+
+    replicas: int
+    threads_per_replica: int
+
+    def __str__(self) -> str:
+        return f"{self.replicas} replica(s) x {self.threads_per_replica} thread(s)"
+
+
+def plan_cpu(
+    device: str,
+    cpus: int,
+    replicas: int | None = None,
+    threads_per_replica: int | None = None,
+) -> CpuPlan:
+    """Replicas and threads for the model, from the usable CPUs unless given.
+
+    On the CPU: one single-threaded replica per usable core (leaving one core
+    for polling, tokenizing and writing above two), at most MAX_DEFAULT_REPLICAS,
+    the remaining cores shared out as threads. On CUDA one replica: the GPU
+    serialises passes anyway, and the CPU side needs one thread.
+    """
+    if device == "cuda":
+        return CpuPlan(replicas or 1, threads_per_replica or 1)
+    budget = cpus if cpus <= 2 else cpus - 1
+    if replicas is None:
+        per = threads_per_replica or 1
+        replicas = max(1, min(MAX_DEFAULT_REPLICAS, budget // per))
+    if threads_per_replica is None:
+        threads_per_replica = max(1, budget // replicas)
+    return CpuPlan(replicas, threads_per_replica)
 
 
 def call_on_fresh_thread(fn: Callable[[], T], name: str = "fresh") -> T:

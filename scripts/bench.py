@@ -618,18 +618,14 @@ def parse_done_line(stderr: str) -> tuple[str, int, int, float, float]:
 def policy_tokens(embedder: Embedder, lengths: np.ndarray) -> tuple[int, int]:
     """(real, computed) tokens of the embedder's sorted sub-batches over these lengths."""
     ordered = np.sort(lengths, kind="stable")
-    real = computed = 0
-    for cut in embedder._sub_batches(ordered):
-        chunk = ordered[cut]
-        real += int(chunk.sum())
-        computed += int(chunk[-1]) * len(chunk)
-    return real, computed
+    passes = embedder.shape_plan.plan(ordered)
+    return int(ordered.sum()), sum(p.computed_tokens for p in passes)
 
 
 def policy_padding(embedder: Embedder, lengths: np.ndarray, batch_size: int) -> list[Padding]:
     """(d)'s policy over the whole run sorted at once, and per micro-batch of batch_size."""
     whole = Padding(
-        "(d) policy: all texts sorted, cut by _sub_batches",
+        "(d) policy: all texts sorted, cut by ShapePlan",
         *policy_tokens(embedder, lengths),
         target=PADDING_TARGET,
     )

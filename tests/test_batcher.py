@@ -57,6 +57,33 @@ def add_all(batcher: Batcher, items: Iterable[Item]) -> list[MicroBatch]:
 # ------------------------------------------------------------------ closing rules
 
 
+def sized(offset: int, size: int, partition: int = 0) -> Item:
+    source = SourceRecord("t", partition, offset, 0, None, b"x" * size)
+    return GoodRecord(source, "x", None, None), [1, 2]
+
+
+def test_closes_before_the_value_bytes_would_pass_the_bound() -> None:
+    clock = FakeClock()
+    batcher = Batcher(100, 10_000, 1.0, clock=clock, max_bytes=1000)
+    closed = add_all(batcher, [sized(0, 400), sized(1, 400), sized(2, 400), sized(3, 100)])
+    assert [offsets(b) for b in closed] == [[0, 1]]
+    assert closed[0].closed_by is CloseReason.BYTES
+    assert closed[0].value_bytes == 800
+    # a single value over the bound still travels, alone
+    closed = add_all(batcher, [sized(4, 5000), sized(5, 10)])
+    assert [offsets(b) for b in closed] == [[2, 3], [4]]
+    assert batcher.pending == 1
+
+
+def test_dropping_partitions_recounts_the_bytes() -> None:
+    clock = FakeClock()
+    batcher = Batcher(100, 10_000, 1.0, clock=clock, max_bytes=10_000)
+    add_all(batcher, [sized(0, 300, partition=0), sized(0, 500, partition=1)])
+    batcher.drop({("t", 1)})
+    batch = batcher.flush(CloseReason.SHUTDOWN)
+    assert batch is not None and batch.value_bytes == 300
+
+
 def test_closes_on_record_count() -> None:
     batcher, _ = make(max_records=3)
     closed = add_all(batcher, [good(i) for i in range(7)])

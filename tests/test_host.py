@@ -1,13 +1,18 @@
-"""call_on_fresh_thread: the result or the exception of a call made on another thread."""
+"""The host: usable CPUs (affinity, cgroup quotas), the replica/thread plan, and
+call_on_fresh_thread: the result or the exception of a call made on another thread."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from pipeline.errors import ModelError
-from pipeline.host import call_on_fresh_thread
+from pipeline.host import CpuPlan, call_on_fresh_thread, cgroup_cpu_quota, plan_cpu, usable_cpus
 
 
 def test_returns_the_result_of_a_call_made_on_another_thread() -> None:
@@ -28,3 +33,74 @@ def test_the_thread_is_gone_afterwards() -> None:
     before = threading.active_count()
     call_on_fresh_thread(lambda: None)
     assert threading.active_count() == before
+
+
+# ------------------------------------------------------------------ usable CPUs
+
+
+def fake_proc(tmp_path: Path, cgroup_line: str) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup_line + "\n")
+    return proc
+
+
+def test_a_cgroup_v2_quota_bounds_the_usable_cpus(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    (root / "kubepods" / "pod1").mkdir(parents=True)
+    (root / "kubepods" / "pod1" / "cpu.max").write_text("150000 100000\n")
+    proc = fake_proc(tmp_path, "0::/kubepods/pod1")
+    assert cgroup_cpu_quota(root, proc) == 1.5
+    assert usable_cpus(root, proc) == min(2, len(os.sched_getaffinity(0)))
+
+
+def test_no_quota_leaves_the_affinity(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cpu.max").write_text("max 100000\n")
+    proc = fake_proc(tmp_path, "0::/")
+    assert cgroup_cpu_quota(root, proc) is None
+    assert usable_cpus(root, proc) == len(os.sched_getaffinity(0))
+
+
+def test_a_cgroup_v1_quota_is_read_too(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    (root / "cpu,cpuacct").mkdir(parents=True)
+    (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("100000\n")
+    (root / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    proc = fake_proc(tmp_path, "4:cpu,cpuacct:/")
+    assert cgroup_cpu_quota(root, proc) == 1.0
+    assert usable_cpus(root, proc) == 1
+
+
+def test_affinity_bounds_the_usable_cpus() -> None:
+    assert usable_cpus() <= len(os.sched_getaffinity(0))
+    if len(os.sched_getaffinity(0)) > 1:
+        script = "from pipeline.host import usable_cpus; print(usable_cpus())"
+        pinned = subprocess.run(
+            ["taskset", "-c", "0", sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        assert pinned.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize(
+    ("device", "cpus", "replicas", "threads", "expected"),
+    [
+        ("cpu", 1, None, None, CpuPlan(1, 1)),
+        ("cpu", 2, None, None, CpuPlan(2, 1)),
+        ("cpu", 4, None, None, CpuPlan(3, 1)),
+        ("cpu", 16, None, None, CpuPlan(4, 3)),
+        ("cpu", 16, None, 2, CpuPlan(4, 2)),
+        ("cpu", 8, 1, None, CpuPlan(1, 7)),
+        ("cpu", 2, None, 2, CpuPlan(1, 2)),
+        ("cuda", 16, None, None, CpuPlan(1, 1)),
+    ],
+)
+def test_the_cpu_plan(
+    device: str, cpus: int, replicas: int | None, threads: int | None, expected: CpuPlan
+) -> None:
+    assert plan_cpu(device, cpus, replicas, threads) == expected

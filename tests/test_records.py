@@ -157,3 +157,31 @@ def test_unicode_text_roundtrips() -> None:
     text = "Grüße, 世界 — naïve café 😀"
     result = parse(json.dumps({"text": text}, ensure_ascii=False).encode("utf-8"))
     assert isinstance(result, GoodRecord) and result.text == text
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b'{"text": "hi", "score": NaN}',
+        b'{"text": "hi", "big": 123456789012345678901234567890}',
+        b'\xef\xbb\xbf{"text": "hi"}',
+        b'{"text": "hi", "text": "again"}',
+        b'{"text": "a\\u00e9\\ud83d\\ude00", "n": 1e400}',
+        b'  {"text": "hi"}\n',
+    ],
+)
+def test_the_fast_parser_accepts_and_rejects_what_json_does(value: bytes) -> None:
+    """orjson parses; the standard json module stays the judge of what is valid."""
+    try:
+        expected: object = json.loads(value.decode("utf-8"))
+    except json.JSONDecodeError:
+        expected = None
+    result = parse(value)
+    if expected is None:
+        assert isinstance(result, BadRecord) and result.error_class == "InvalidJson"
+    else:
+        assert isinstance(result, GoodRecord)
+        assert isinstance(expected, dict)
+        assert result.text == expected["text"]
+        rest = {k: v for k, v in expected.items() if k != "text"}
+        assert result.metadata == (json.dumps(rest, ensure_ascii=False) if rest else None)

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Nearline latency: produce-to-visible at a steady rate, quiet and with busy cores.
+
+For each worker layout (`--variants`) and each load (quiet, then `--busy N`
+processes each keeping one core busy), one run against the real broker: a fresh
+topic, a `pipeline run` worker on a fresh group and output, records produced at
+`--rate` records/s for `--seconds`, each stamped when sent. A record is visible
+when a published Parquet segment holding it appears in the output (listed every
+50 ms). The report gives p50, p99 and max produce-to-visible per run, side by
+side, and how many records were still not visible at the end (the lag left).
+
+    .venv/bin/python scripts/nearline.py [--rate 20] [--seconds 60] [--busy 1]
+        [--variants "default=;before=--replicas 1 --torch-threads 2 --shapes exact"]
+        [--model default] [--precision fp32] [--json FILE]
+
+A variant is NAME=EXTRA WORKER FLAGS; `before` is the layout workers had before
+replicas and bucketed shapes (one replica with a team of two threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from hotpath import Busy  # noqa: E402
+
+from pipeline import cluster  # noqa: E402
+from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+from pipeline.corpus import sample_texts  # noqa: E402
+
+READY_TIMEOUT_S = 180
+
+
+class Visibility:
+    """Watches an output directory; records when each id first appears."""
+
+    def __init__(self, output: Path) -> None:
+        self.vectors = output / "vectors"
+        self.seen_at: dict[str, float] = {}
+        self._files: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> Visibility:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        import pyarrow.parquet as pq
+
+        while not self._stop.wait(0.05):
+            if not self.vectors.is_dir():
+                continue
+            for path in self.vectors.glob("*.parquet"):
+                if path.name in self._files:
+                    continue
+                now = time.time()
+                self._files.add(path.name)
+                for record_id in pq.read_table(path, columns=["id"]).column("id").to_pylist():
+                    self.seen_at.setdefault(record_id, now)
+
+
+def start_worker(kafka: KafkaSettings, topic: str, output: Path, args: Any, extra: str) -> Any:
+    command = [
+        sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
+        "run", "--topic", topic, "--group", f"nearline-{uuid.uuid4().hex[:8]}",
+        "--output", str(output), "--model", args.model, "--precision", args.precision,
+        "--device", "cpu", "--no-progress", *shlex.split(extra),
+    ]  # fmt: skip
+    log = open(output.parent / f"{output.name}.log", "w")  # noqa: SIM115
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.Popen(command, stdout=log, stderr=log, env=env)
+
+
+def produce(kafka: KafkaSettings, topic: str, records: list[tuple[str, str]], rate: float) -> dict:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(linger_ms=0, acks=1, **kafka.client_kwargs())
+    sent: dict[str, float] = {}
+    began = time.monotonic()
+    for n, (record_id, text) in enumerate(records):
+        delay = began + n / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        sent[record_id] = time.time()
+        producer.send(topic, json.dumps({"id": record_id, "text": text}).encode())
+    producer.flush(timeout=60)
+    producer.close(timeout=10)
+    return sent
+
+
+def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, work: Path) -> dict:
+    topic = f"nearline-{uuid.uuid4().hex[:10]}"
+    with cluster.admin_client(kafka) as admin:
+        cluster.create_topic(admin, kafka, topic, 2)
+    output = work / f"{name}-busy{busy}"
+    worker = start_worker(kafka, topic, output, args, extra)
+    try:
+        texts = sample_texts(int(args.rate * args.seconds) + 20)
+        with Visibility(output) as visible:
+            # Warm-up: the worker has joined and embedded once before timing starts.
+            warm = [(f"warm-{n}", texts[n]) for n in range(10)]
+            produce(kafka, topic, warm, rate=100)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while len(visible.seen_at) < len(warm):
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"nearline: worker {name} did not start; see {output}.log")
+                time.sleep(0.2)
+            with Busy(busy):
+                timed = [
+                    (f"r{n}", t) for n, t in enumerate(texts[10:][: int(args.rate * args.seconds)])
+                ]
+                sent = produce(kafka, topic, timed, args.rate)
+                settle = time.monotonic() + args.settle
+                while time.monotonic() < settle and not set(sent) <= set(visible.seen_at):
+                    time.sleep(0.1)
+            seen = dict(visible.seen_at)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=90)
+    latencies = sorted(seen[i] - t for i, t in sent.items() if i in seen)
+    missing = len(sent) - len(latencies)
+    result = {
+        "variant": name,
+        "busy": busy,
+        "records": len(sent),
+        "not_visible": missing,
+        "p50_s": _pct(latencies, 50),
+        "p99_s": _pct(latencies, 99),
+        "max_s": latencies[-1] if latencies else None,
+    }
+    with cluster.admin_client(kafka) as admin:
+        admin.delete_topics([topic])
+    return result
+
+
+def _pct(values: list[float], pct: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--busy", type=int, default=1)
+    parser.add_argument("--settle", type=float, default=30.0, help="wait after the last send")
+    parser.add_argument(
+        "--variants", default="default=;before=--replicas 1 --torch-threads 2 --shapes exact"
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers)
+    variants = [v.split("=", 1) for v in args.variants.split(";") if v]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="nearline-") as work:
+        for busy in sorted({0, args.busy}):
+            for name, extra in variants:
+                result = one_run(kafka, args, name, extra, busy, Path(work))
+                results.append(result)
+                print(_line(result), flush=True)
+    print(f"nearline: {args.rate:g} records/s for {args.seconds:g}s, {args.precision}")
+    for result in results:
+        print(_line(result))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _line(r: dict) -> str:
+    def fmt(v: float | None) -> str:
+        return "   -  " if v is None else f"{v:6.2f}"
+
+    return (
+        f"  {r['variant']:<8} busy cores {r['busy']}: p50 {fmt(r['p50_s'])}s "
+        f"p99 {fmt(r['p99_s'])}s max {fmt(r['max_s'])}s, "
+        f"{r['not_visible']} of {r['records']} not visible at the end"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""The path around the model: the pipeline with a near-free model against bare Kafka.
+
+One run, one fresh topic of short JSON records, side by side:
+
+  (bare) kafka-python's KafkaConsumer from the beginning, `json.loads` of every value,
+         until every record was read: what no pipeline can beat on this host;
+  (pipe) `pipeline run --until-end` with a tiny random BERT (scripts/tiny_model.py:
+         the model costs almost nothing), a fresh group and output: records/s from
+         its `done:` line (first record to last commit), and start-up, from process
+         start to the first record polled (its log line).
+
+The ratio pipe/bare is the share of Kafka's own speed the pipeline keeps; the target
+is at least 0.5. Rounds alternate (--repeat N) and the medians are compared.
+
+    .venv/bin/python scripts/overhead.py [--records 50000] [--partitions 3] [--repeat 3]
+        [--bootstrap-servers 127.0.0.1:9092] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pipeline import cluster  # noqa: E402
+from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+
+_DONE = re.compile(r"done: (?P<records>\d+) records .*?, (?P<rate>[\d,.]+) records/s")
+_FIRST = re.compile(r"first record polled (?P<s>[\d.]+)s after process start")
+
+
+def publish(kafka: KafkaSettings, records: int, partitions: int) -> str:
+    from kafka import KafkaProducer
+
+    from pipeline.corpus import sample_texts
+
+    topic = f"overhead-{uuid.uuid4().hex[:10]}"
+    with cluster.admin_client(kafka) as admin:
+        cluster.create_topic(admin, kafka, topic, partitions)
+    texts = sample_texts(records)
+    producer = KafkaProducer(
+        acks="all", linger_ms=20, batch_size=256 * 1024, **kafka.client_kwargs()
+    )
+    for n in range(records):
+        value = {"id": f"r{n}", "text": texts[n % len(texts)][:300]}
+        producer.send(topic, json.dumps(value).encode(), partition=n % partitions)
+    producer.flush(timeout=300)
+    producer.close(timeout=30)
+    return topic
+
+
+def bare(kafka: KafkaSettings, topic: str, records: int) -> float:
+    """records/s of consume + json.loads, first record to last."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(
+        topic,
+        group_id=None,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_poll_records=4096,
+        **kafka.client_kwargs(),
+    )
+    seen, first = 0, None
+    deadline = time.monotonic() + 600
+    try:
+        while seen < records and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                if first is None:
+                    first = time.perf_counter()
+                for record in batch:
+                    json.loads(record.value)
+                seen += len(batch)
+    finally:
+        consumer.close()
+    if seen < records or first is None:
+        raise SystemExit(f"overhead: bare consumer read {seen} of {records}")
+    return seen / (time.perf_counter() - first)
+
+
+def pipe(kafka: KafkaSettings, topic: str, records: int, model: str, work: Path) -> dict:
+    group = f"overhead-{uuid.uuid4().hex[:8]}"
+    command = [
+        sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
+        "run", "--topic", topic, "--group", group, "--output", str(work / group),
+        "--until-end", "--model", model, "--precision", "fp32", "--device", "cpu",
+        "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"overhead: pipeline run failed:\n{done.stderr[-3000:]}")
+    rate, first = _DONE.search(done.stderr), _FIRST.search(done.stderr)
+    if rate is None or first is None or int(rate["records"]) != records:
+        raise SystemExit(f"overhead: unexpected worker output:\n{done.stderr[-3000:]}")
+    return {"rate": float(rate["rate"].replace(",", "")), "startup_s": float(first["s"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=50_000)
+    parser.add_argument("--partitions", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers)
+    model = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "tiny_model.py")],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    topic = publish(kafka, args.records, args.partitions)
+    bares: list[float] = []
+    pipes: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="overhead-") as work:
+        for n in range(args.repeat):
+            bares.append(bare(kafka, topic, args.records))
+            pipes.append(pipe(kafka, topic, args.records, model, Path(work)))
+            print(
+                f"round {n + 1}: bare {bares[-1]:,.0f} records/s, pipeline "
+                f"{pipes[-1]['rate']:,.0f} records/s, start-up {pipes[-1]['startup_s']:.1f}s",
+                flush=True,
+            )
+    bare_rate = statistics.median(bares)
+    pipe_rate = statistics.median(p["rate"] for p in pipes)
+    startup = statistics.median(p["startup_s"] for p in pipes)
+    print(
+        f"{args.records} records, {args.partitions} partitions: bare consume+parse "
+        f"{bare_rate:,.0f}/s, pipeline (tiny model) {pipe_rate:,.0f}/s, "
+        f"ratio {pipe_rate / bare_rate:.2f} (target >= 0.5); start-up to first record "
+        f"{startup:.1f}s (target <= 5)"
+    )
+    if args.json:
+        report = {"bare": bares, "pipeline": pipes, "ratio": pipe_rate / bare_rate}
+        args.json.write_text(json.dumps(report, indent=2))
+    with cluster.admin_client(kafka) as admin:
+        admin.delete_topics([topic])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
