@@ -24,6 +24,7 @@ from consumers.committer import PublishedBatch
 from consumers.partitions import Ownership
 from pipeline.batcher import MicroBatch, TopicPartitionKey
 from pipeline.embedder import Embedder, EmbedStats
+from pipeline.host import release_free_memory
 from pipeline.metrics import WorkerMetrics
 from pipeline.records import BadRecord, GoodRecord
 from sinks.dead_letter import DeadLetterSink
@@ -99,6 +100,7 @@ class EmbedStage(Stage):
     def handle(self, item: object) -> None:
         assert isinstance(item, MicroBatch)
         vectors, stats = self.embedder.embed_tokens(item.tokenized())
+        release_free_memory()
         log.debug(
             "batch %d: %d records embedded in %.3fs (%d passes, padding efficiency %.3f)",
             item.number,

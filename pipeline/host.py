@@ -16,6 +16,9 @@ the thread that embeds later has the only one.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 import os
 import threading
@@ -79,6 +82,29 @@ def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
     except (OSError, ValueError):
+        return None
+
+
+def release_free_memory() -> None:
+    """Hands the allocator's free pages back to the OS (glibc malloc_trim; elsewhere a no-op).
+
+    glibc keeps freed activation buffers in its heap, and raises its mmap threshold
+    as large blocks are freed, so that a worker's RSS ratchets up with every new
+    mix of pass sizes (measured: +180 MB over 4,000 texts, still climbing). A trim
+    after each micro-batch keeps the resting RSS where it started, for a few
+    milliseconds a batch and no slower passes (a fixed mmap threshold cost 25 %).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
         return None
 
 

@@ -72,6 +72,8 @@ def peak_rss_mb() -> float:
 def child_shapes(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
+    from pipeline.host import release_free_memory
+
     embedder = _load(spec, replicas=spec["replicas"], threads=spec["threads"])
     embedder.exact_shapes = spec["exact"]
     texts = stream_texts(spec["texts"])
@@ -86,13 +88,15 @@ def child_shapes(spec: dict[str, Any]) -> dict[str, Any]:
         shapes |= {(p.count, p.width) for p in embedder.shape_plan.plan(order)}
         began = time.perf_counter()
         _, stats = embedder.embed_tokens(tokens)
+        if spec["trim"]:
+            release_free_memory()  # as the worker's embed stage does after each batch
         halves[start >= len(texts) // 2] += time.perf_counter() - began
         real, computed = real + stats.real_tokens, computed + stats.computed_tokens
         if after_first is None:
             after_first = rss_mb()
     half = len(texts) / 2
     return {
-        "variant": "exact" if spec["exact"] else "bucketed",
+        "variant": ("exact" if spec["exact"] else "bucketed") + ("+trim" if spec["trim"] else ""),
         "texts_per_s_first_half": half / halves[0],
         "texts_per_s_second_half": half / halves[1],
         "texts_per_s": len(texts) / sum(halves),
@@ -179,14 +183,15 @@ class Busy:
 def measure_shapes(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:
     spec = {**base, "texts": args.texts, "batch_size": args.batch_size}
     spec.update(replicas=1, threads=1)
-    results = [run_child("shapes", {**spec, "exact": exact}) for exact in (True, False)]
-    exact, bucketed = results
+    variants = [(True, False), (False, False), (False, True)]  # (exact, trim)
+    results = [run_child("shapes", {**spec, "exact": e, "trim": t}) for e, t in variants]
+    exact, bucketed, _ = results
     print(f"shapes: {args.texts} texts in micro-batches of {args.batch_size}, {args.precision}")
-    header = "variant    texts/s  1st half  2nd half  padding  shapes  RSS first  end   peak"
+    header = "variant         texts/s  1st half  2nd half  padding  shapes  RSS first  end   peak"
     print(header)
     for r in results:
         print(
-            f"{r['variant']:<9} {r['texts_per_s']:8.1f} {r['texts_per_s_first_half']:9.1f} "
+            f"{r['variant']:<14} {r['texts_per_s']:8.1f} {r['texts_per_s_first_half']:9.1f} "
             f"{r['texts_per_s_second_half']:9.1f} {r['padding_efficiency']:8.3f} "
             f"{r['distinct_shapes']:7d} {r['rss_after_first_batch_mb']:9.0f} "
             f"{r['rss_end_mb']:6.0f} {r['rss_peak_mb']:6.0f}"
