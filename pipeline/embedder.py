@@ -219,10 +219,11 @@ class Embedder:
         )
 
     def close(self) -> None:
-        """Ends the replica and tokenizer threads (after the work they run)."""
-        self._pool.shutdown(wait=True)
+        """Ends the replica and tokenizer threads: passes not yet started are dropped
+        (their batch is abandoned: nothing of it was committed), running ones finish."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if self._tokenizers is not None:
-            self._tokenizers.shutdown(wait=True)
+            self._tokenizers.shutdown(wait=True, cancel_futures=True)
 
     @property
     def shape_plan(self) -> ShapePlan:

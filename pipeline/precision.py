@@ -131,11 +131,11 @@ def cache_path() -> Path:
 
 def _cache_key(model: str, device: str) -> str:
     _, path = resolve_model_path(model)
-    hardware = _cpu_model() if device == "cpu" else _gpu_model()
+    hardware = cpu_model() if device == "cpu" else _gpu_model()
     return f"{_revision(path)}|{device}|{hardware}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -18,7 +18,8 @@ One run, the same records of real text (standard-library docstring paragraphs,
 It then prints the ratios d/a, d/b, d/c beside their targets, the padding efficiency of
 (d)'s batching policy and of (c)'s arrival-order batches, and the quality of the vectors
 (d) stored, against fp32: mean and minimum cosine, neighbour recall@10, PASS/FAIL on the
-precision gate. Timings of (a) to (c) run with the same torch thread count.
+precision gate. (b) and (c) run with one torch thread count (--threads); (a) with the
+worker's own layout of model replicas x threads (pipeline.host.plan_cpu), as (d) does.
 
     .venv/bin/python scripts/bench.py [--records 3000] [--precision auto] [--device auto]
         [--batch-size 4096] [--partitions 3] [--repeat 1] [--json results.json] [--keep]
@@ -201,7 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=os.cpu_count() or 1,
-        help="torch threads for (a)-(c) (default: all cores; (d) sets its own)",
+        help="torch threads for (b) and (c) (default: all cores; (a) and (d) use the "
+        "worker's replicas x threads)",
     )
     parser.add_argument(
         "--repeat",
@@ -259,9 +261,9 @@ def describe_hardware(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(0)
-    from pipeline.precision import _cpu_model
+    from pipeline.precision import cpu_model
 
-    return f"{_cpu_model()}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def resolve(args: argparse.Namespace) -> tuple[str, str]:
@@ -374,11 +376,22 @@ def raw_only(args: argparse.Namespace) -> int:
     """The child side of bench_raw_in_fresh_process: prints {"seconds": S}."""
     import torch
 
-    torch.set_num_threads(args.threads)
+    from pipeline.host import plan_cpu, usable_cpus
+
+    # The raw model at the layout `pipeline run` gives it (replicas x threads).
+    plan = plan_cpu(args.device, usable_cpus())
+    torch.set_num_threads(plan.threads_per_replica)
     texts = make_texts(args.records)
 
     def load_and_time() -> float:
-        return bench_raw(Embedder.load(args.model, args.precision, args.device), texts)
+        embedder = Embedder.load(
+            args.model,
+            args.precision,
+            args.device,
+            replicas=plan.replicas,
+            threads_per_replica=plan.threads_per_replica,
+        )
+        return bench_raw(embedder, texts)
 
     print(json.dumps({"seconds": call_on_fresh_thread(load_and_time)}), flush=True)
     return 0
@@ -691,7 +704,7 @@ def render(results: Results) -> str:
         f"{s['records']} records ({s['text']}; median {s['median_chars']} chars, "
         f"{s['median_tokens']} tokens), model {s['model']}",
         f"device {s['device']} ({s['hardware']}), precision {s['precision']} "
-        f"({s['precision_source']}), torch threads {s['torch_threads']} for (a)-(c), "
+        f"({s['precision_source']}), torch threads {s['torch_threads']} for (b)-(c), "
         f"(d) --batch-size {s['batch_size']}, {s['partitions']} partitions",
         "",
         f"{'variant':<66}{'texts/s':>10}{'seconds':>10}",

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from pipeline.corpus import sample_texts  # noqa: E402
 from pipeline.embedder import Embedder  # noqa: E402
-from pipeline.precision import Gate, check_precisions  # noqa: E402
+from pipeline.precision import Gate, check_precisions, cpu_model  # noqa: E402
 
 # Dense tensor-core peaks in TFLOP/s (bf16 = fp16 on these parts), by name fragment.
 PEAK_TFLOPS = {
@@ -136,16 +135,6 @@ def faiss_check(vectors: np.ndarray) -> dict[str, Any]:
     }
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="'default' or a local HF directory")
@@ -162,7 +151,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu-check: torch sees no CUDA GPU (use --device cpu to check the script)")
         return 2
-    name = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_name()
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_model()
     precisions = args.precisions.split(",") if args.device == "cuda" else ["fp32"]
     peak = args.peak_tflops or (peak_tflops(name) if args.device == "cuda" else None)
     texts = (sample_texts(args.texts) * (args.texts // len(sample_texts(args.texts)) + 1))[
