@@ -4,11 +4,11 @@ Pooling and normalisation follow the model's sentence-transformers configuration
 (modules.json, 1_Pooling/config.json). Weights are loaded from safetensors only
 and remote code is never trusted.
 
-The hot path works on whole batches: one tokenizer call per micro-batch (Rust,
-parallel), numpy for sorting and padding, and forward passes over sub-batches of
-similar lengths whose padded size (rows x width) stays under a token budget, so
-that padding is a small share of the computed tokens. Pass shapes come from a
-bounded set (pipeline.shapes).
+The hot path works on whole batches: the Rust tokenizer over a micro-batch (in
+chunks on several threads when it is large), numpy for sorting and padding, and
+forward passes over sub-batches of similar lengths whose padded size (rows x
+width) stays under a token budget, so that padding is a small share of the
+computed tokens. Pass shapes come from a bounded set (pipeline.shapes).
 
 On the CPU the passes of a batch run on several model replicas at once: threads
 sharing one set of weights, each running its passes with a small OpenMP team (one

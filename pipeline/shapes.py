@@ -33,6 +33,9 @@ MIN_PASS_ROWS = 8
 # Widths are multiples of MIN_WIDTH_STEP, and each octave has at most BUCKETS_PER_OCTAVE.
 MIN_WIDTH_STEP = 4
 BUCKETS_PER_OCTAVE = 8
+# Passes wider than this many tokens get fewer rows than the token budget allows:
+# rows x width^2 <= token budget x ATTENTION_WIDTH bounds attention's scores.
+ATTENTION_WIDTH = 64
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,14 @@ class ShapePlan:
         self.token_budget = token_budget
         self.max_length = max_length
         self.exact = exact
+        # Attention holds rows x heads x width^2 scores: under the token budget alone
+        # a pass of 32 rows of 256 tokens held ~100 MB per score matrix and replica,
+        # and a worker's peak memory grew with how full its long passes were.
+        self.attention_budget = token_budget * ATTENTION_WIDTH
+
+    def max_rows(self, width: int) -> int:
+        """The most rows a pass of this width may have under both budgets."""
+        return max(1, min(self.token_budget // width, self.attention_budget // (width * width)))
 
     def width_of(self, length: int) -> int:
         """The bucket a row of `length` tokens is padded to."""
@@ -70,13 +81,13 @@ class ShapePlan:
 
     def row_counts(self, width: int) -> tuple[int, ...]:
         """Row counts a pass of this width may have, ascending."""
-        most = max(1, self.token_budget // width)
+        most = self.max_rows(width)
         return tuple(range(1, most + 1)) if self.exact else _ladder(most)
 
     def _trim(self, rows: int, width: int) -> int:
         if self.exact:
             return rows
-        counts = _ladder(max(1, self.token_budget // width))
+        counts = _ladder(self.max_rows(width))
         return counts[bisect.bisect_right(counts, rows) - 1]
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -92,7 +103,7 @@ class ShapePlan:
         while end > 0:
             longest = lengths[end - 1]
             width = self.width_of(longest)
-            most = max(1, self.token_budget // width)
+            most = self.max_rows(width)
             rows = self._trim(_grow(lengths, end, longest, min(most, end)), width)
             passes.append(Pass(slice(end - rows, end), width))
             end -= rows

@@ -2,7 +2,8 @@
 """Peak memory of `pipeline run --until-end` against the size of the backlog.
 
 For each backlog (`--backlogs`, records of short real text published to a fresh
-topic before the worker starts) and each variant (`--variants`, extra worker
+topic before the worker starts; the stdlib sample cycled, so every backlog has
+the same mix of lengths) and each variant (`--variants`, extra worker
 flags), one worker runs the backlog to the end with default settings; its peak
 RSS is the kernel's ru_maxrss of the child. The report puts the peaks side by
 side and gives each variant's growth from the smallest backlog to the largest:
@@ -29,12 +30,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from hotpath import stream_texts  # noqa: E402
 
 from pipeline import cluster  # noqa: E402
 from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+from pipeline.corpus import sample_texts  # noqa: E402
 
 # Runs the worker and prints its exit code and peak RSS (kB): a process of its
 # own, so that ru_maxrss of its children is this worker's alone.
@@ -53,7 +52,10 @@ def publish(kafka: KafkaSettings, count: int) -> str:
     with cluster.admin_client(kafka) as admin:
         cluster.create_topic(admin, kafka, topic, 3)
     producer = KafkaProducer(linger_ms=50, batch_size=512 * 1024, **kafka.client_kwargs())
-    for n, text in enumerate(stream_texts(count)):
+    # The same texts, in the same proportions, at every backlog: only its size differs.
+    base = sample_texts(count)
+    for n in range(count):
+        text = base[n % len(base)]
         producer.send(topic, json.dumps({"id": f"r{n}", "text": text}).encode(), partition=n % 3)
     producer.flush(timeout=600)
     producer.close(timeout=30)

@@ -31,17 +31,28 @@ def test_widths_round_up_to_a_few_buckets_per_octave() -> None:
         assert width - length < max(4, width / 8)  # padding: 3 tokens, or an eighth
 
 
-def test_row_counts_are_a_short_ladder_under_the_budget() -> None:
+def test_row_counts_are_a_short_ladder_under_the_budgets() -> None:
     plan = ShapePlan(8192, 256)
-    assert plan.row_counts(256) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    assert plan.row_counts(100) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81)
+    assert plan.row_counts(64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    # past 64 tokens attention's rows x width^2 bounds the rows, not the token budget
+    assert plan.row_counts(100) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 52)
+    assert plan.row_counts(256) == (1, 2, 3, 4, 6, 8)
     assert ShapePlan(1, 256).row_counts(64) == (1,)
+
+
+def test_attention_scores_stay_bounded_at_every_width() -> None:
+    plan = ShapePlan(8192, 512)
+    for _, width in plan.shapes():
+        rows = plan.max_rows(width)
+        assert rows * width <= 8192 or rows == 1
+        assert rows * width * width <= 8192 * 64 or rows == 1
 
 
 def test_the_set_of_shapes_is_small_and_fixed() -> None:
     shapes = ShapePlan(8192, 256).shapes()
     assert len(shapes) == len(set(shapes)) < 600
     assert all(rows * width <= 8192 or rows == 1 for rows, width in shapes)
+    assert all(rows * width * width <= 8192 * 64 or rows == 1 for rows, width in shapes)
 
 
 @pytest.mark.parametrize("seed", range(5))
