@@ -74,13 +74,14 @@ class MicroBatch:
     def without(self, dropped: set[TopicPartitionKey]) -> MicroBatch:
         """A copy without the records of the given partitions."""
         keep = [i for i, r in enumerate(self.good) if _key(r) not in dropped]
+        good = [self.good[i] for i in keep]
+        bad = [b for b in self.bad if _key(b) not in dropped]
         return MicroBatch(
-            good=[self.good[i] for i in keep],
-            bad=[b for b in self.bad if _key(b) not in dropped],
+            good=good,
+            bad=bad,
             token_ids=[self.token_ids[i] for i in keep],
             tokens=sum(len(self.token_ids[i]) for i in keep),
-            value_bytes=sum(_size(r) for r in self.good if _key(r) not in dropped)
-            + sum(_size(b) for b in self.bad if _key(b) not in dropped),
+            value_bytes=sum(map(_size, good)) + sum(map(_size, bad)),
             ranges={k: v for k, v in self.ranges.items() if k not in dropped},
             epochs={k: v for k, v in self.epochs.items() if k not in dropped},
             start_notes={k: v for k, v in self.start_notes.items() if k not in dropped},

@@ -85,9 +85,10 @@ class ShapePlan:
         return tuple(range(1, most + 1)) if self.exact else _ladder(most)
 
     def _trim(self, rows: int, width: int) -> int:
+        """The largest allowed row count up to `rows`."""
         if self.exact:
             return rows
-        counts = _ladder(self.max_rows(width))
+        counts = self.row_counts(width)
         return counts[bisect.bisect_right(counts, rows) - 1]
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -103,8 +104,8 @@ class ShapePlan:
         while end > 0:
             longest = lengths[end - 1]
             width = self.width_of(longest)
-            most = self.max_rows(width)
-            rows = self._trim(_grow(lengths, end, longest, min(most, end)), width)
+            grown = _grow(lengths, end, longest, min(self.max_rows(width), end))
+            rows = self._trim(grown, width)
             passes.append(Pass(slice(end - rows, end), width))
             end -= rows
         passes.reverse()

@@ -81,7 +81,7 @@ def throughput(embedder: Embedder, texts: list[str], batch_size: int, device: st
     if device == "cuda":
         torch.cuda.synchronize()
     real = computed = passes = 0
-    width_tokens = 0.0
+    lengths = []
     started = time.perf_counter()
     for batch in batches:
         tokens = embedder.tokenize(batch)
@@ -89,11 +89,16 @@ def throughput(embedder: Embedder, texts: list[str], batch_size: int, device: st
         real += stats.real_tokens
         computed += stats.computed_tokens
         passes += stats.forward_passes
-        for p in embedder.shape_plan.plan(np.sort(tokens.lengths)):
-            width_tokens += p.computed_tokens * p.width
+        lengths.append(tokens.lengths)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    # The passes' widths, for attention's FLOPs: planned again after the clock stops.
+    width_tokens = sum(
+        p.computed_tokens * p.width
+        for batch_lengths in lengths
+        for p in embedder.shape_plan.plan(np.sort(batch_lengths))
+    )
     mean_width = width_tokens / computed if computed else 0.0
     return {
         "texts_per_s": len(texts) / seconds,
