@@ -301,7 +301,12 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option("--poll-timeout-ms", type=int)
 @_run_option("--max-batch-tokens", type=int)
 @_run_option("--max-batch-bytes", type=int, help="Bytes of record values per micro-batch.")
-@_run_option("--sub-batch-tokens", type=int, help="Padded tokens per forward pass.")
+@env_option(
+    "--sub-batch-tokens",
+    type=int,
+    default=None,
+    help="Padded tokens per forward pass [default: 8192 on the CPU, 131072 on CUDA].",
+)
 @_run_option("--max-in-flight", type=int)
 @_run_option("--precision", type=click.Choice(PRECISIONS))
 @_run_option("--device", type=click.Choice(DEVICES))
@@ -390,16 +395,9 @@ def _load_model(config: WorkerConfig, plan: CpuPlan) -> Embedder:
         from pipeline.corpus import sample_texts
 
         precision = resolve_precision(config.model, config.device, "auto", sample_texts(256))
-    embedder = Embedder.load(
-        config.model,
-        precision,
-        config.device,
-        config.sub_batch_tokens,
-        replicas=plan.replicas,
-        threads_per_replica=plan.threads_per_replica,
+    return Embedder.load_planned(
+        config.model, precision, plan, config.sub_batch_tokens, config.shapes == "exact"
     )
-    embedder.exact_shapes = config.shapes == "exact"
-    return embedder
 
 
 def _check_cluster(config: WorkerConfig) -> None:

@@ -107,7 +107,8 @@ class WorkerConfig:
     # records the worker holds, whatever their size.
     max_batch_bytes: int = 16 * 1024 * 1024
     # Padded tokens (longest x count) per forward pass; bounds activation memory.
-    sub_batch_tokens: int = 8_192
+    # None: by device (pipeline.shapes.PASS_DEFAULTS: 8192 on the CPU, 131072 on CUDA).
+    sub_batch_tokens: int | None = None
     max_in_flight: int = 2
     precision: str = "auto"
     device: str = "auto"
@@ -150,15 +151,19 @@ class WorkerConfig:
         _check_positive("poll timeout (ms)", self.poll_timeout_ms)
         _check_positive("max batch tokens", self.max_batch_tokens)
         _check_positive("max batch bytes", self.max_batch_bytes)
-        _check_positive("sub-batch tokens", self.sub_batch_tokens)
         _check_positive("max in flight", self.max_in_flight)
         _check_positive("max text bytes", self.max_text_bytes)
         _check_positive("max poll interval (ms)", self.max_poll_interval_ms)
         _check_positive("broker timeout (s)", self.broker_timeout_s)
-        for name in ("replicas", "torch_threads"):
+        optional = {
+            "replicas": "replicas",
+            "torch_threads": "torch threads",
+            "sub_batch_tokens": "sub-batch tokens",
+        }
+        for name, label in optional.items():
             value = getattr(self, name)
             if value is not None:
-                _check_positive(name.replace("_", " "), value)
+                _check_positive(label, value)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("shapes", self.shapes, SHAPES)

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ModelError
-from pipeline.shapes import Pass, ShapePlan
+from pipeline.host import CpuPlan
+from pipeline.shapes import PADDING_TARGET, Pass, ShapePlan, pass_defaults
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,7 @@ class Embedder:
         sub_batch_tokens: int,
         replicas: int = 1,
         threads_per_replica: int | None = None,
+        tokenizer_threads: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._fast = tokenizer._tokenizer  # the Rust tokenizer: batch encode without padding
@@ -205,9 +207,10 @@ class Embedder:
         self.sub_batch_tokens = sub_batch_tokens
         self.replicas = replicas
         self.exact_shapes = False  # True only to measure what bucketed shapes save
+        self.padding_target = PADDING_TARGET
         # Tokenizing runs on the poll thread's critical path: one core's worth of it
-        # was the worker's ceiling with a fast model.
-        self.tokenizer_threads = max(1, replicas * (threads_per_replica or 1))
+        # was the worker's ceiling with a fast model (and is a GPU's).
+        self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
         self._pad_id = tokenizer.pad_token_id or 0
         # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
@@ -227,7 +230,9 @@ class Embedder:
 
     @property
     def shape_plan(self) -> ShapePlan:
-        return ShapePlan(self.sub_batch_tokens, self.info.max_length, self.exact_shapes)
+        return ShapePlan(
+            self.sub_batch_tokens, self.info.max_length, self.exact_shapes, self.padding_target
+        )
 
     @classmethod
     def load(
@@ -238,6 +243,7 @@ class Embedder:
         sub_batch_tokens: int = 8192,
         replicas: int = 1,
         threads_per_replica: int | None = None,
+        tokenizer_threads: int | None = None,
     ) -> Embedder:
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -279,7 +285,34 @@ class Embedder:
             device,
         )
         torch.set_grad_enabled(False)
-        return cls(tokenizer, net, info, sub_batch_tokens, replicas, threads_per_replica)
+        return cls(
+            tokenizer, net, info, sub_batch_tokens, replicas, threads_per_replica, tokenizer_threads
+        )
+
+    @classmethod
+    def load_planned(
+        cls,
+        model: str,
+        precision: str,
+        plan: CpuPlan,
+        sub_batch_tokens: int | None = None,
+        exact_shapes: bool = False,
+    ) -> Embedder:
+        """The model laid out as `plan` says, with its device's pass defaults
+        (pipeline.shapes.PASS_DEFAULTS) unless a token budget is given."""
+        budget, padding_target = pass_defaults(plan.device)
+        embedder = cls.load(
+            model,
+            precision,
+            plan.device,
+            sub_batch_tokens or budget,
+            replicas=plan.replicas,
+            threads_per_replica=plan.threads_per_replica,
+            tokenizer_threads=plan.tokenizer_threads,
+        )
+        embedder.exact_shapes = exact_shapes
+        embedder.padding_target = padding_target
+        return embedder
 
     def tokenize(self, texts: list[str]) -> Tokenized:
         """Token ids in the texts' order; large batches in chunks on several threads

@@ -32,6 +32,8 @@ T = TypeVar("T")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Each replica holds a pass's activations (up to ~200 MB at the default budget).
 MAX_DEFAULT_REPLICAS = 4
+# Tokenizing on more threads than this gained nothing on a 16-core GPU host.
+MAX_CUDA_TOKENIZER_THREADS = 8
 
 
 def usable_cpus(cgroup_root: Path = CGROUP_ROOT, proc_self: Path = Path("/proc/self")) -> int:
@@ -120,13 +122,19 @@ def process_age_s() -> float:
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """How the model's work is laid out: replicas, each with a team of threads."""
+    """How the model's work is laid out: replicas, each with a team of threads, and
+    the threads that tokenize each batch."""
 
     replicas: int
     threads_per_replica: int
+    tokenizer_threads: int = 1
+    device: str = "cpu"
 
     def __str__(self) -> str:
-        return f"{self.replicas} replica(s) x {self.threads_per_replica} thread(s)"
+        return (
+            f"{self.replicas} replica(s) x {self.threads_per_replica} thread(s) on {self.device}, "
+            f"{self.tokenizer_threads} tokenizer thread(s)"
+        )
 
 
 def plan_cpu(
@@ -139,18 +147,21 @@ def plan_cpu(
 
     On the CPU: one single-threaded replica per usable core (leaving one core
     for polling, tokenizing and writing above two), at most MAX_DEFAULT_REPLICAS,
-    the remaining cores shared out as threads. On CUDA one replica: the GPU
-    serialises passes anyway, and the CPU side needs one thread.
+    the remaining cores shared out as threads; tokenizing shares the same cores.
+    On CUDA one replica (the GPU serialises passes anyway) and the CPUs tokenize:
+    there the tokenizer is the ceiling (an H200 embedded short texts at 67,600/s
+    while one tokenizer thread managed 10,000/s, eight 52,600/s, fifteen no more).
     """
     if device == "cuda":
-        return CpuPlan(replicas or 1, threads_per_replica or 1)
+        tokenizers = min(MAX_CUDA_TOKENIZER_THREADS, max(1, cpus - 1))
+        return CpuPlan(replicas or 1, threads_per_replica or 1, tokenizers, device)
     budget = cpus if cpus <= 2 else cpus - 1
     if replicas is None:
         per = threads_per_replica or 1
         replicas = max(1, min(MAX_DEFAULT_REPLICAS, budget // per))
     if threads_per_replica is None:
         threads_per_replica = max(1, budget // replicas)
-    return CpuPlan(replicas, threads_per_replica)
+    return CpuPlan(replicas, threads_per_replica, replicas * threads_per_replica, device)
 
 
 def call_on_fresh_thread(fn: Callable[[], T], name: str = "fresh") -> T:

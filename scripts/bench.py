@@ -379,18 +379,12 @@ def raw_only(args: argparse.Namespace) -> int:
     from pipeline.host import plan_cpu, usable_cpus
 
     # The raw model at the layout `pipeline run` gives it (replicas x threads).
-    plan = plan_cpu(args.device, usable_cpus())
+    plan = plan_cpu(pick_device(args.device), usable_cpus())
     torch.set_num_threads(plan.threads_per_replica)
     texts = make_texts(args.records)
 
     def load_and_time() -> float:
-        embedder = Embedder.load(
-            args.model,
-            args.precision,
-            args.device,
-            replicas=plan.replicas,
-            threads_per_replica=plan.threads_per_replica,
-        )
+        embedder = Embedder.load_planned(args.model, args.precision, plan)
         return bench_raw(embedder, texts)
 
     print(json.dumps({"seconds": call_on_fresh_thread(load_and_time)}), flush=True)

@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.corpus import sample_texts
 from pipeline.embedder import Embedder, EmbedStats, Tokenized
-from pipeline.shapes import Pass
+from pipeline.host import CpuPlan
+from pipeline.shapes import Pass, ShapePlan, pass_defaults
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +215,26 @@ def test_tokenizing_on_several_threads_keeps_order_and_counts(
     assert parallel.ids == serial.ids
     assert (parallel.lengths == serial.lengths).all()
     assert parallel.truncated == serial.truncated >= 1
+
+
+def test_planned_load_takes_the_plan_and_its_device_defaults(texts: list[str]) -> None:
+    planned = Embedder.load_planned("default", "fp32", CpuPlan(2, 1, 3, "cpu"))
+    try:
+        assert (planned.replicas, planned.tokenizer_threads) == (2, 3)
+        assert (planned.sub_batch_tokens, planned.padding_target) == pass_defaults("cpu")
+        assert planned.embed(texts[:8]).shape == (8, planned.info.dim)
+    finally:
+        planned.close()
+    given = Embedder.load_planned("default", "fp32", CpuPlan(1, 1), 1024, exact_shapes=True)
+    assert (given.sub_batch_tokens, given.exact_shapes) == (1024, True)
+    given.close()
+
+
+def test_fewer_fuller_passes_under_a_lower_padding_target(embedder: Embedder) -> None:
+    lengths = np.sort(np.array([len(t) % 97 + 3 for t in sample_texts(2000)]))
+    tight = ShapePlan(131_072, 256, padding_target=0.92).plan(lengths)
+    loose = ShapePlan(131_072, 256, padding_target=0.6).plan(lengths)
+    assert len(loose) < len(tight)
+    assert padding_efficiency(lengths, loose) >= 0.6 * 0.9
+    for plan in (tight, loose):
+        assert sum(p.count for p in plan) == len(lengths)

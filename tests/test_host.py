@@ -90,14 +90,15 @@ def test_affinity_bounds_the_usable_cpus() -> None:
 @pytest.mark.parametrize(
     ("device", "cpus", "replicas", "threads", "expected"),
     [
-        ("cpu", 1, None, None, CpuPlan(1, 1)),
-        ("cpu", 2, None, None, CpuPlan(2, 1)),
-        ("cpu", 4, None, None, CpuPlan(3, 1)),
-        ("cpu", 16, None, None, CpuPlan(4, 3)),
-        ("cpu", 16, None, 2, CpuPlan(4, 2)),
-        ("cpu", 8, 1, None, CpuPlan(1, 7)),
-        ("cpu", 2, None, 2, CpuPlan(1, 2)),
-        ("cuda", 16, None, None, CpuPlan(1, 1)),
+        ("cpu", 1, None, None, CpuPlan(1, 1, 1)),
+        ("cpu", 2, None, None, CpuPlan(2, 1, 2)),
+        ("cpu", 4, None, None, CpuPlan(3, 1, 3)),
+        ("cpu", 16, None, None, CpuPlan(4, 3, 12)),
+        ("cpu", 16, None, 2, CpuPlan(4, 2, 8)),
+        ("cpu", 8, 1, None, CpuPlan(1, 7, 7)),
+        ("cpu", 2, None, 2, CpuPlan(1, 2, 2)),
+        ("cuda", 16, None, None, CpuPlan(1, 1, 8, "cuda")),
+        ("cuda", 4, None, None, CpuPlan(1, 1, 3, "cuda")),
     ],
 )
 def test_the_cpu_plan(
