@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import kafka.errors as kerrors
@@ -93,12 +94,15 @@ class Worker:
     def __init__(
         self,
         config: WorkerConfig,
-        embedder: Embedder,
+        model: Embedder | Future[Embedder],
         shutdown: threading.Event,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.config = config
-        self.embedder = embedder
+        self._model = model
+        # Set by _attach_model, once the model has loaded (it loads during the checks).
+        self.embedder: Embedder
+        self.parquet: ParquetSink
         self.shutdown = shutdown
         self.metrics = metrics or WorkerMetrics()
         self.summary = RunSummary()
@@ -111,8 +115,8 @@ class Worker:
             config.poll_timeout_ms / 1000,
             max_bytes=config.max_batch_bytes,
         )
-        self.parquet = ParquetSink(config.output, embedder.info)
-        self.index = IndexStore(config.output, use_gpu=embedder.info.device == "cuda")
+        # The worker only adds to the index; `pipeline search` chooses the GPU.
+        self.index = IndexStore(config.output)
         self.dead_letter = DeadLetterSink(
             config.kafka, config.dead_letter_topic, timeout_s=config.broker_timeout_s
         )
@@ -156,6 +160,7 @@ class Worker:
 
     def _run(self) -> RunSummary:
         committed = self._preflight()
+        self._attach_model()
         removed = self.parquet.prepare()
         if removed:
             log.info("removed %d temp file(s) left by dead or stalled writers", removed)
@@ -182,6 +187,12 @@ class Worker:
         finally:
             self._close()
         return self.summary
+
+    def _attach_model(self) -> None:
+        """Waits for the model (loading since start-up) and opens the sinks it shapes."""
+        model = self._model
+        self.embedder = model.result() if isinstance(model, Future) else model
+        self.parquet = ParquetSink(self.config.output, self.embedder.info)
 
     def _preflight(self) -> dict[TopicPartition, int]:
         """Checks the cluster and the output before the group is joined; returns the commits."""
@@ -692,8 +703,9 @@ def _take_all(source: queue.Queue[T]) -> Iterator[T]:
 
 def run_worker(
     config: WorkerConfig,
-    embedder: Embedder,
+    model: Embedder | Future[Embedder],
     shutdown: threading.Event,
     metrics: WorkerMetrics | None = None,
 ) -> RunSummary:
-    return Worker(config, embedder, shutdown, metrics).run()
+    """Runs a worker; `model` may still be loading (a future) when it starts."""
+    return Worker(config, model, shutdown, metrics).run()

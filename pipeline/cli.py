@@ -33,7 +33,7 @@ from pipeline.config import (
     load_toml,
 )
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.host import CpuPlan, call_on_fresh_thread, plan_cpu, usable_cpus
+from pipeline.host import CpuPlan, plan_cpu, start_on_fresh_thread, usable_cpus
 
 if TYPE_CHECKING:
     from pipeline.embedder import Embedder
@@ -305,7 +305,7 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "--sub-batch-tokens",
     type=int,
     default=None,
-    help="Padded tokens per forward pass [default: 8192 on the CPU, 131072 on CUDA].",
+    help="Padded tokens per forward pass [default: 2048 on the CPU, 131072 on CUDA].",
 )
 @_run_option("--max-in-flight", type=int)
 @_run_option("--precision", type=click.Choice(PRECISIONS))
@@ -371,18 +371,18 @@ def _run_worker(config: WorkerConfig) -> None:
     _check_cluster(config)  # fail fast, before the seconds a model load takes
     shutdown = threading.Event()
     _install_signal_handlers(shutdown)
-    plan = _plan_cpu(config)
-    # Loaded on a thread that exits: only the replicas' threads keep OpenMP
-    # teams (see pipeline.host).
-    embedder = call_on_fresh_thread(lambda: _load_model(config, plan), name="model-load")
+    # The model (torch's import included) loads while the worker checks the
+    # cluster and its outputs; the worker waits for it before the first write.
+    model = start_on_fresh_thread(lambda: _load_model(config, _plan_cpu(config)), "model-load")
     metrics = WorkerMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.metrics_port)
         log.info("metrics on http://0.0.0.0:%d/metrics", config.metrics_port)
     try:
-        summary = run_worker(config, embedder, shutdown, metrics)
+        summary = run_worker(config, model, shutdown, metrics)
     finally:
-        embedder.close()
+        if model.done() and model.exception() is None:
+            model.result().close()
     click.echo(f"done: {summary}", err=True)
 
 
@@ -394,7 +394,9 @@ def _load_model(config: WorkerConfig, plan: CpuPlan) -> Embedder:
     if precision == "auto":
         from pipeline.corpus import sample_texts
 
-        precision = resolve_precision(config.model, config.device, "auto", sample_texts(256))
+        precision = resolve_precision(
+            config.model, config.device, "auto", lambda: sample_texts(256)
+        )
     return Embedder.load_planned(
         config.model, precision, plan, config.sub_batch_tokens, config.shapes == "exact"
     )

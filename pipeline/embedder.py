@@ -20,6 +20,7 @@ CPUs this process may really use (pipeline.host).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ModelError
-from pipeline.host import CpuPlan
+from pipeline.host import CpuPlan, release_free_memory
 from pipeline.shapes import PADDING_TARGET, Pass, ShapePlan, pass_defaults
 
 log = logging.getLogger(__name__)
@@ -166,11 +167,18 @@ def read_sentence_config(path: Path) -> tuple[str, bool, int | None]:
 
 def weights_revision(path: Path) -> str:
     """A short content hash of the safetensors weights (the model's identity on disk)."""
-    digest = hashlib.sha256()
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"no .safetensors weights in {path} (only safetensors are loaded)")
-    for file in files:
+    # Hashed once per process and version of the files: start-up asked for it twice.
+    stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _hash_files(stamps)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_files(stamps: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for file, _size, _mtime in stamps:
         with open(file, "rb") as fh:
             while chunk := fh.read(1 << 22):
                 digest.update(chunk)
@@ -240,7 +248,7 @@ class Embedder:
         model: str = "default",
         precision: str = "fp32",
         device: str = "cpu",
-        sub_batch_tokens: int = 8192,
+        sub_batch_tokens: int | None = None,
         replicas: int = 1,
         threads_per_replica: int | None = None,
         tokenizer_threads: int | None = None,
@@ -285,9 +293,18 @@ class Embedder:
             device,
         )
         torch.set_grad_enabled(False)
-        return cls(
-            tokenizer, net, info, sub_batch_tokens, replicas, threads_per_replica, tokenizer_threads
+        budget, padding_target = pass_defaults(device)
+        embedder = cls(
+            tokenizer,
+            net,
+            info,
+            sub_batch_tokens or budget,
+            replicas,
+            threads_per_replica,
+            tokenizer_threads,
         )
+        embedder.padding_target = padding_target
+        return embedder
 
     @classmethod
     def load_planned(
@@ -298,20 +315,17 @@ class Embedder:
         sub_batch_tokens: int | None = None,
         exact_shapes: bool = False,
     ) -> Embedder:
-        """The model laid out as `plan` says, with its device's pass defaults
-        (pipeline.shapes.PASS_DEFAULTS) unless a token budget is given."""
-        budget, padding_target = pass_defaults(plan.device)
+        """The model laid out as `plan` says (replicas, threads, tokenizer threads)."""
         embedder = cls.load(
             model,
             precision,
             plan.device,
-            sub_batch_tokens or budget,
+            sub_batch_tokens,
             replicas=plan.replicas,
             threads_per_replica=plan.threads_per_replica,
             tokenizer_threads=plan.tokenizer_threads,
         )
         embedder.exact_shapes = exact_shapes
-        embedder.padding_target = padding_target
         return embedder
 
     def tokenize(self, texts: list[str]) -> Tokenized:
@@ -353,10 +367,15 @@ class Embedder:
         passes = self.shape_plan.plan(tokens.lengths[order])
         # Longest passes first: the replicas finish together rather than one alone.
         passes.sort(key=lambda p: p.computed_tokens, reverse=True)
+        trim = self.info.device == "cpu"
 
         def run(one: Pass) -> None:
             rows = order[one.rows]
             out[rows] = self._forward([tokens.ids[i] for i in rows], one.width)
+            if trim:
+                # A batch's passes free and allocate activations of many sizes; kept
+                # by the allocator until the batch ends, they added 150-250 MB.
+                release_free_memory()
 
         for done in [self._pool.submit(run, one) for one in passes]:
             done.result()

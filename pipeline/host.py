@@ -23,9 +23,10 @@ import math
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -164,19 +165,22 @@ def plan_cpu(
     return CpuPlan(replicas, threads_per_replica, replicas * threads_per_replica, device)
 
 
-def call_on_fresh_thread(fn: Callable[[], T], name: str = "fresh") -> T:
-    """fn() on a new thread, joined; its exception, if any, is raised here."""
-    box: dict[str, Any] = {}
+def start_on_fresh_thread(fn: Callable[[], T], name: str = "fresh") -> Future[T]:
+    """fn() on a new thread that exits when fn returns (only replicas' threads keep
+    OpenMP teams); its result or exception comes through the future."""
+    future: Future[T] = Future()
+    future.set_running_or_notify_cancel()
 
     def target() -> None:
         try:
-            box["result"] = fn()
-        except BaseException as exc:  # handed to the caller below
-            box["error"] = exc
+            future.set_result(fn())
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
 
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
+
+
+def call_on_fresh_thread(fn: Callable[[], T], name: str = "fresh") -> T:
+    """fn() on a new thread, joined; its exception, if any, is raised here."""
+    return start_on_fresh_thread(fn, name).result()

@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def check_precisions(
     texts: list[str],
     precisions: list[str] | None = None,
     gate: Gate = Gate(),
-    sub_batch_tokens: int = 8192,
+    sub_batch_tokens: int | None = None,
 ) -> list[PrecisionReport]:
     device = pick_device(device)
     wanted = candidates_for(device) if precisions is None else precisions
@@ -184,9 +185,15 @@ def remembered(model: str, device: str, gate: Gate) -> str | None:
 
 
 def resolve_precision(
-    model: str, device: str, requested: str, texts: list[str], gate: Gate = Gate()
+    model: str,
+    device: str,
+    requested: str,
+    texts: Callable[[], list[str]],
+    gate: Gate = Gate(),
 ) -> str:
-    """A concrete precision for `requested` (which may be 'auto')."""
+    """A concrete precision for `requested` (which may be 'auto'). `texts` gives the
+    sample to measure on: built only when a measurement is due (gathering the
+    stdlib sample took seconds of the worker's start-up)."""
     if requested != "auto":
         return requested
     device = pick_device(device)
@@ -194,10 +201,11 @@ def resolve_precision(
     if known is not None:
         log.info("precision auto: %s (remembered for this model and device)", known)
         return known
-    log.info("precision auto: measuring candidates against fp32 on %d texts", len(texts))
+    sample = texts()
+    log.info("precision auto: measuring candidates against fp32 on %d texts", len(sample))
     # int8 rarely passes and is slow to measure; it is checked by `pipeline model check`.
     candidates = [p for p in candidates_for(device) if p != "int8"]
-    reports = check_precisions(model, device, texts, candidates, gate)
+    reports = check_precisions(model, device, sample, candidates, gate)
     remember(model, device, gate, reports)
     best = choose(reports)
     log.info(

@@ -271,7 +271,7 @@ def resolve(args: argparse.Namespace) -> tuple[str, str]:
     from pipeline.corpus import sample_texts
 
     device = pick_device(args.device)
-    precision = resolve_precision(args.model, device, args.precision, sample_texts(256))
+    precision = resolve_precision(args.model, device, args.precision, lambda: sample_texts(256))
     return device, precision
 
 

@@ -127,7 +127,7 @@ def test_length_sorted_padding_efficiency_with_bucketed_shapes(
     embedder: Embedder, texts: list[str]
 ) -> None:
     """Bucketed widths cost a few points of padding against exact ones, no more."""
-    assert embedder.sub_batch_tokens == 8192
+    assert embedder.sub_batch_tokens == pass_defaults("cpu")[0]
     lengths = np.sort(embedder.tokenize(texts).lengths, kind="stable")
     plan = embedder.shape_plan
     bucketed = padding_efficiency(lengths, plan.plan(lengths))
