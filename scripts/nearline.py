@@ -13,6 +13,10 @@ side, and how many records were still not visible at the end (the lag left).
         [--variants "default=;before=--replicas 1 --torch-threads 2 --shapes exact"]
         [--model default] [--precision fp32] [--json FILE]
 
+Each run also samples the worker's RSS once a second over the timed part: its
+first and last sample and its highest, for memory over a long nearline run
+(e.g. `--seconds 3600 --busy 0 --variants default=`).
+
 A variant is NAME=EXTRA WORKER FLAGS; `before` is the layout workers had before
 replicas and bucketed shapes (one replica with a team of two threads).
 """
@@ -79,6 +83,33 @@ class Visibility:
                     self.seen_at.setdefault(record_id, now)
 
 
+class RssSampler:
+    """The worker's resident memory once a second (from /proc), for its growth."""
+
+    def __init__(self, pid: int) -> None:
+        self.path = Path(f"/proc/{pid}/status")
+        self.samples: list[int] = []  # MB
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                for line in self.path.read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        self.samples.append(int(line.split()[1]) // 1024)
+            except OSError:
+                return
+
+
 def start_worker(kafka: KafkaSettings, topic: str, output: Path, args: Any, extra: str) -> Any:
     command = [
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
@@ -125,10 +156,10 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
                 if worker.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"nearline: worker {name} did not start; see {output}.log")
                 time.sleep(0.2)
-            with Busy(busy):
-                timed = [
-                    (f"r{n}", t) for n, t in enumerate(texts[10:][: int(args.rate * args.seconds)])
-                ]
+            with Busy(busy), RssSampler(worker.pid) as rss:
+                count = int(args.rate * args.seconds)
+                pool = texts[10:] or texts
+                timed = [(f"r{n}", pool[n % len(pool)]) for n in range(count)]
                 sent = produce(kafka, topic, timed, args.rate)
                 settle = time.monotonic() + args.settle
                 while time.monotonic() < settle and not set(sent) <= set(visible.seen_at):
@@ -147,6 +178,10 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
         "p50_s": _pct(latencies, 50),
         "p99_s": _pct(latencies, 99),
         "max_s": latencies[-1] if latencies else None,
+        # Resident memory over the timed part: first sample, last, highest.
+        "rss_first_mb": rss.samples[0] if rss.samples else None,
+        "rss_last_mb": rss.samples[-1] if rss.samples else None,
+        "rss_max_mb": max(rss.samples) if rss.samples else None,
     }
     with cluster.admin_client(kafka) as admin:
         admin.delete_topics([topic])
@@ -199,7 +234,8 @@ def _line(r: dict) -> str:
     return (
         f"  {r['variant']:<8} busy cores {r['busy']}: p50 {fmt(r['p50_s'])}s "
         f"p99 {fmt(r['p99_s'])}s max {fmt(r['max_s'])}s, "
-        f"{r['not_visible']} of {r['records']} not visible at the end"
+        f"{r['not_visible']} of {r['records']} not visible at the end; RSS "
+        f"{r['rss_first_mb']} -> {r['rss_last_mb']} MB (max {r['rss_max_mb']})"
     )
 
 

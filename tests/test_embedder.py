@@ -11,8 +11,15 @@ import random
 import numpy as np
 import pytest
 
+import pipeline.embedder as embedder_mod
 from pipeline.corpus import sample_texts
-from pipeline.embedder import Embedder, EmbedStats, Tokenized, activation_bytes_per_token
+from pipeline.embedder import (
+    TRIM_AFTER_BYTES,
+    Embedder,
+    EmbedStats,
+    Tokenized,
+    activation_bytes_per_token,
+)
 from pipeline.host import CpuPlan
 from pipeline.shapes import Pass, ShapePlan, pass_defaults
 
@@ -239,3 +246,16 @@ def test_fewer_fuller_passes_under_a_lower_padding_target(embedder: Embedder) ->
     assert padding_efficiency(lengths, loose) >= 0.6 * 0.9
     for plan in (tight, loose):
         assert sum(p.count for p in plan) == len(lengths)
+
+
+def test_free_pages_go_back_after_big_passes_only(
+    embedder: Embedder, texts: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trims: list[int] = []
+    monkeypatch.setattr(embedder_mod, "release_free_memory", lambda: trims.append(1))
+    tokens = embedder.tokenize(texts[:200])
+    _, stats = embedder.embed_tokens(tokens)
+    big = TRIM_AFTER_BYTES // activation_bytes_per_token(embedder._model)
+    expected = embedder.shape_plan.plan(np.sort(tokens.lengths))
+    assert len(trims) == sum(1 for p in expected if p.computed_tokens >= big)
+    assert 0 < len(trims) < stats.forward_passes  # MiniLM: big passes trim, small ones not
