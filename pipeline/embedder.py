@@ -35,7 +35,7 @@ import numpy as np
 
 from pipeline.errors import ModelError
 from pipeline.host import CpuPlan, release_free_memory
-from pipeline.shapes import PADDING_TARGET, Pass, ShapePlan, pass_defaults
+from pipeline.shapes import Pass, ShapePlan, pass_defaults
 
 log = logging.getLogger(__name__)
 
@@ -207,25 +207,26 @@ class Embedder:
         tokenizer: Any,
         model: Any,
         info: ModelInfo,
-        sub_batch_tokens: int,
+        sub_batch_tokens: int | None,
         replicas: int = 1,
         threads_per_replica: int | None = None,
         tokenizer_threads: int | None = None,
     ) -> None:
+        """`sub_batch_tokens` None: the device's and model's default (pass_defaults)."""
         self._tokenizer = tokenizer
         self._fast = tokenizer._tokenizer  # the Rust tokenizer: batch encode without padding
         self._model = model
         self.info = info
-        self.sub_batch_tokens = sub_batch_tokens
+        self._activation_bytes_per_token = activation_bytes_per_token(model)
+        budget, self.padding_target = pass_defaults(info.device, self._activation_bytes_per_token)
+        self.sub_batch_tokens = sub_batch_tokens or budget
         self.replicas = replicas
         self.exact_shapes = False  # True only to measure what bucketed shapes save
-        self.padding_target = PADDING_TARGET
         # Tokenizing runs on the poll thread's critical path: one core's worth of it
         # was the worker's ceiling with a fast model (and is a GPU's).
         self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
         self._pad_id = tokenizer.pad_token_id or 0
-        self._activation_bytes_per_token = activation_bytes_per_token(model)
         # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
         self._pool = ThreadPoolExecutor(
             max_workers=replicas,
@@ -298,18 +299,9 @@ class Embedder:
             device,
         )
         torch.set_grad_enabled(False)
-        budget, padding_target = pass_defaults(device, activation_bytes_per_token(net))
-        embedder = cls(
-            tokenizer,
-            net,
-            info,
-            sub_batch_tokens or budget,
-            replicas,
-            threads_per_replica,
-            tokenizer_threads,
+        return cls(
+            tokenizer, net, info, sub_batch_tokens, replicas, threads_per_replica, tokenizer_threads
         )
-        embedder.padding_target = padding_target
-        return embedder
 
     @classmethod
     def load_planned(

@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,64 +50,77 @@ from pipeline.corpus import sample_texts  # noqa: E402
 READY_TIMEOUT_S = 180
 
 
-class Visibility:
+W = TypeVar("W", bound="Watcher")
+
+
+class Watcher:
+    """Calls `_tick()` every `period` seconds on a thread, inside a with-block,
+    until the block ends or `_tick()` returns False."""
+
+    period = 1.0
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self: W) -> W:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period) and self._tick() is not False:
+            pass
+
+    def _tick(self) -> bool | None:
+        raise NotImplementedError
+
+
+class Visibility(Watcher):
     """Watches an output directory; records when each id first appears."""
 
+    period = 0.05
+
     def __init__(self, output: Path) -> None:
+        super().__init__()
         self.vectors = output / "vectors"
         self.seen_at: dict[str, float] = {}
         self._files: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> Visibility:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
+    def _tick(self) -> None:
         import pyarrow.parquet as pq
 
-        while not self._stop.wait(0.05):
-            if not self.vectors.is_dir():
+        if not self.vectors.is_dir():
+            return
+        for path in self.vectors.glob("*.parquet"):
+            if path.name in self._files:
                 continue
-            for path in self.vectors.glob("*.parquet"):
-                if path.name in self._files:
-                    continue
-                now = time.time()
-                self._files.add(path.name)
-                for record_id in pq.read_table(path, columns=["id"]).column("id").to_pylist():
-                    self.seen_at.setdefault(record_id, now)
+            now = time.time()
+            self._files.add(path.name)
+            for record_id in pq.read_table(path, columns=["id"]).column("id").to_pylist():
+                self.seen_at.setdefault(record_id, now)
 
 
-class RssSampler:
+class RssSampler(Watcher):
     """The worker's resident memory once a second (from /proc), for its growth."""
 
     def __init__(self, pid: int) -> None:
+        super().__init__()
         self.path = Path(f"/proc/{pid}/status")
         self.samples: list[int] = []  # MB
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                for line in self.path.read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        self.samples.append(int(line.split()[1]) // 1024)
-            except OSError:
-                return
+    def _tick(self) -> bool:
+        try:
+            status = self.path.read_text()
+        except OSError:
+            return False  # the worker has exited
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                self.samples.append(int(line.split()[1]) // 1024)
+        return True
 
 
 def start_worker(kafka: KafkaSettings, topic: str, output: Path, args: Any, extra: str) -> Any:
