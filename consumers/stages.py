@@ -169,7 +169,15 @@ class WriteStage(Stage):
         if self.index.meta is not None:
             self.metrics.index_vectors.set(self.index.meta.count)
         if added:
-            log.debug("index: %d vectors added", added)
+            stats = self.index.last_sync
+            log.debug(
+                "index: %d vectors added in %.3fs (%d shard(s) written, %d merged, %d bytes)",
+                added,
+                stats.seconds,
+                stats.shards_written,
+                stats.shards_merged,
+                stats.bytes_written,
+            )
 
     def write(self, embedded: EmbeddedBatch) -> PublishedBatch:
         batch = embedded.batch

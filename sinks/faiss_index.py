@@ -2,48 +2,70 @@
 
 The index is derived data: the Parquet files are the truth, and `IndexStore.sync()`
 adds whatever finished files hold beyond what the index covers. Coverage is a
-last offset per (topic, partition), saved beside the index in `index.json`; since
-a partition's segments tile its offsets, everything up to that offset is in the
-index and nothing past it is. Only rows past the coverage are added, so segments
-that overlap (written by older versions) still give one entry per record. A
-damaged segment stops its partition's coverage (with a warning) until a worker
-repairs it; the other partitions go on.
+last offset per (topic, partition), saved in `index.json`; since a partition's
+segments tile its offsets, everything up to that offset is in the index and
+nothing past it is. Only rows past the coverage are added, so segments that
+overlap (written by older versions) still give one entry per record. A damaged
+segment stops its partition's coverage (with a warning) until a worker repairs
+it; the other partitions go on.
+
+A sync writes the new vectors as new shard files and never loads the index (see
+sinks.index_shards): a worker's index upkeep costs what its new vectors cost,
+however large the corpus. Readers add the shards up when they load.
 
 Each vector's id is derived from its record, so the same record can never get
 two entries:  id = topic_no << 56 | partition << 40 | offset, with topic_no a
 small number per topic fixed in `index.json`.
 
-Sync, rebuild and save take an exclusive lock on `index/.lock`, so several
-workers on one output directory take turns; saves write a temp file, fsync and
-rename, so a crash leaves the old index or the new one, never half of one.
+Sync, rebuild and load take an exclusive lock on `index/.lock`, so several
+workers on one output directory take turns and a reader never meets a shard
+that a merge is removing.
 
-Index type: exact inner product (IndexFlatIP) over L2-normalised vectors, which
-is cosine similarity. It needs no training and stays exact; search cost is
-linear in the number of vectors (about 10 ms per query per million 384-d vectors
-on a GPU, ~100x that on a CPU core). Past a few million vectors, or when query
-latency matters more than the last percent of recall, use an IVF index
-(`--index-type ivf`: IVF with sqrt(N)-ish lists, trained on the vectors at
-rebuild time, `nprobe` trading recall for speed).
+Index types: `flat` is exact inner product (IndexFlatIP) over L2-normalised
+vectors, which is cosine similarity: no training, exact, search cost linear in
+the corpus (~10 ms per query per million 384-d vectors on a GPU, ~100x that on a
+CPU core). `ivf` (IVF-Flat) and `ivf-pq` (IVF with product quantisation, 32x
+smaller) are trained on a sample at `pipeline index rebuild`, which reports their
+recall@10 against exact search; vectors that workers add later go to flat
+shards that readers add to the trained index.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import IndexStateError, OutputError
+from sinks.index_shards import (
+    FLAT,
+    INDEX_TYPES,
+    FileNames,
+    FlatShardWriter,
+    IndexMeta,
+    Shard,
+    SyncStats,
+    VectorSink,
+    cap_vectors,
+    contents,
+    faiss_flat,
+    flat_file_bytes,
+    ids_of,
+    is_index_file,
+    next_merge,
+    read_index_file,
+    table_vectors,
+    write_checked,
+)
 from sinks.layout import (
     INDEX_META_FILE,
     SegmentFile,
@@ -53,6 +75,9 @@ from sinks.layout import (
 )
 from sinks.parquet import fsync_dir, output_error
 from sinks.segments import DamagedSegment, last_offset, read_rows
+from sinks.trained_index import TrainedBuilder, trained_builder
+
+__all__ = ["INDEX_TYPES", "Hit", "IndexMeta", "IndexStore", "SyncStats", "decode_id", "encode_id"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +86,6 @@ _PARTITION_SHIFT = 40
 _MAX_TOPICS = 1 << 7
 _MAX_PARTITIONS = 1 << 16
 _OFFSET_MASK = (1 << _PARTITION_SHIFT) - 1
-INDEX_TYPES = ("flat", "ivf")
 
 
 def encode_id(topic_no: int, partition: int, offset: int) -> int:
@@ -84,45 +108,6 @@ def _key(topic: str, partition: int) -> str:
     return f"{topic}:{partition}"
 
 
-@dataclass
-class IndexMeta:
-    dim: int
-    index_type: str = "flat"
-    topics: dict[str, int] = field(default_factory=dict)
-    covered: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> last offset
-    entries: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> vectors
-    generation: int = 0
-    index_file: str = ""
-    model: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def count(self) -> int:
-        return sum(self.entries.values())
-
-    def topic_no(self, topic: str) -> int:
-        if topic not in self.topics:
-            self.topics[topic] = len(self.topics)
-        return self.topics[topic]
-
-    def to_json(self) -> str:
-        data = dict(self.__dict__, count=self.count, updated_at=time.time())
-        return json.dumps(data, indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> IndexMeta:
-        data = json.loads(text)
-        return cls(
-            dim=int(data["dim"]),
-            index_type=data.get("index_type", "flat"),
-            topics={k: int(v) for k, v in data.get("topics", {}).items()},
-            covered={k: int(v) for k, v in data.get("covered", {}).items()},
-            entries={k: int(v) for k, v in data.get("entries", {}).items()},
-            generation=int(data.get("generation", 0)),
-            index_file=str(data.get("index_file", "")),
-            model=dict(data.get("model", {})),
-        )
-
-
 @dataclass(frozen=True)
 class Hit:
     score: float
@@ -132,19 +117,28 @@ class Hit:
 
 
 class IndexStore:
-    """The index of one output directory; loads lazily, syncs from Parquet."""
+    """The index of one output directory: syncs from Parquet, loads for search."""
 
-    def __init__(self, output: Path, use_gpu: bool = False, index_type: str = "flat") -> None:
+    def __init__(
+        self,
+        output: Path,
+        use_gpu: bool = False,
+        index_type: str = FLAT,
+        shard_cap: int | None = None,
+    ) -> None:
+        if index_type not in INDEX_TYPES:
+            raise IndexStateError(f"unknown index type {index_type!r}; one of {INDEX_TYPES}")
         self.output = output
         self.directory = index_dir(output)
         self.use_gpu = use_gpu
         self.index_type = index_type
-        self._index: Any = None
+        self.shard_cap = shard_cap  # vectors per shard; None: from SHARD_CAP_BYTES
+        self._index: Any = None  # loaded for search only; a sync never loads it
         self._meta: IndexMeta | None = None
         self.damaged: list[DamagedSegment] = []  # skipped by the last sync or rebuild
+        self.last_sync = SyncStats()
         self._warned: set[Path] = set()
-        # Topic numbers, generation and file of the index a rebuild replaces.
-        self._carried: tuple[dict[str, int], int, str] = ({}, 0, "")
+        self._carried_topics: dict[str, int] = {}  # a rebuild keeps every id
 
     @property
     def meta(self) -> IndexMeta | None:
@@ -155,47 +149,70 @@ class IndexStore:
     def sync(self) -> int:
         """Adds the vectors of finished files past the covered offsets; returns how many."""
         self.damaged = []
+        started = time.perf_counter()
+        stats = SyncStats()
         with self._locked():
-            self._load_if_changed()
-            added = self._add_new_segments()
-            if added:
-                self._save()
-            return added
+            self._meta = self._read_meta()
+            generation = self._meta.generation if self._meta else 0
+            covered = dict(self._meta.covered) if self._meta else {}
+            names = FileNames(generation + 1)
+            writer = FlatShardWriter(self.directory, names, self._cap_or_default(), stats)
+            stats.added = self._add_new_segments(writer, FLAT)
+            new = writer.finish()
+            if self._meta is not None and (new or self._meta.covered != covered):
+                self._meta.shards.extend(new)
+                self._merge_small(self._meta, names, stats)
+                self._commit(self._meta, names.generation, stats)
+        stats.seconds = time.perf_counter() - started
+        self.last_sync = stats
+        return stats.added
 
     def rebuild(self) -> int:
         """Builds the index from scratch from every Parquet file; returns the vector count."""
+        started = time.perf_counter()
+        stats = SyncStats()
         with self._locked():
             # Topic numbers (and so every id) and the generation carry over, so ids
             # stay stable and a reader holding the old generation sees the change.
-            # Only the metadata is read: the old index may be the broken thing.
+            # Only the metadata is read: the old shards may be the broken thing.
             try:
                 previous = self._saved_meta()
             except IndexStateError:
                 previous = None
-            self._carried = (
-                (dict(previous.topics), previous.generation, previous.index_file)
-                if previous
-                else ({}, 0, "")
+            self._carried_topics = dict(previous.topics) if previous else {}
+            names = FileNames((previous.generation if previous else 0) + 1)
+            self._index, self._meta, self.damaged = None, None, []
+            shared = (self.directory, names, stats)
+            sink: VectorSink = (
+                FlatShardWriter(self.directory, names, self._cap_or_default(), stats)
+                if self.index_type == FLAT
+                else trained_builder(self.index_type, self._all_segments(), *shared)
             )
-            self._index, self._meta = None, None
-            self.damaged = []
-            self._add_new_segments(train=self.index_type == "ivf")
+            stats.added = self._add_new_segments(sink, self.index_type)
             if self._meta is None:
                 raise IndexStateError(f"no Parquet files under {self.output}/vectors to index")
-            self._save()
-            return self._meta.count
+            self._meta.shards = sink.finish()
+            if isinstance(sink, TrainedBuilder):
+                self._meta.recall_at_10 = sink.recall_at_10()
+            self._commit(self._meta, names.generation, stats)
+        stats.seconds = time.perf_counter() - started
+        self.last_sync = stats
+        return self._meta.count
 
-    def _add_new_segments(self, train: bool = False) -> int:
-        pending = self._pending_segments()
-        if not any(pending.values()):
-            return 0
-        if train:
-            self._train_ivf([s.path for segments in pending.values() for s in segments])
+    def _all_segments(self) -> list[SegmentFile]:
+        return [s for parts in segments_by_partition(self.output).values() for s in parts]
+
+    def _cap_or_default(self) -> int:
+        if self.shard_cap is not None:
+            return self.shard_cap
+        return cap_vectors(self._meta.dim) if self._meta else 1 << 62  # set once a dim is known
+
+    def _add_new_segments(self, sink: VectorSink, index_type: str) -> int:
         added = 0
-        for segments in pending.values():
+        for segments in self._pending_segments().values():
             for segment in segments:
                 try:
-                    added += self._add_segment(segment)
+                    added += self._add_segment(segment, sink, index_type)
                 except DamagedSegment as damaged:
                     self._skip_damaged(damaged)
                     break  # coverage stops here until a worker repairs it
@@ -224,17 +241,19 @@ class IndexStore:
         except (DamagedSegment, FileNotFoundError):
             return False  # not readable now; a worker repairs it
 
-    def _add_segment(self, segment: SegmentFile) -> int:
+    def _add_segment(self, segment: SegmentFile, sink: VectorSink, index_type: str) -> int:
         table, info = read_rows(segment, ["offset", "embedding"])
-        meta = self._ensure(_list_size(table), segment.path)
+        meta = self._ensure(_list_size(table), segment.path, index_type)
+        if isinstance(sink, FlatShardWriter) and self.shard_cap is None:
+            sink.cap = cap_vectors(meta.dim)
         key = _key(*segment.key.partition_key)
         through = meta.covered.get(key, -1)
         offsets = table.column("offset").to_numpy().astype(np.int64)
         fresh = offsets > through
-        vectors = _vectors(table)[fresh] if len(offsets) else _vectors(table)
+        vectors = table_vectors(table)[fresh] if len(offsets) else table_vectors(table)
         if len(vectors):
             base = encode_id(meta.topic_no(segment.key.topic), segment.key.partition, 0)
-            self._index.add_with_ids(np.ascontiguousarray(vectors), base | offsets[fresh])
+            sink.add(vectors, base | offsets[fresh])
             meta.entries[key] = meta.entries.get(key, 0) + len(vectors)
         meta.covered[key] = max(through, info.last)
         return len(vectors)
@@ -250,15 +269,14 @@ class IndexStore:
                 damaged.reason,
             )
 
-    def _ensure(self, dim: int | None, path: Path) -> IndexMeta:
+    def _ensure(self, dim: int | None, path: Path, index_type: str) -> IndexMeta:
         if self._meta is None:
-            if self.index_type != "flat":
-                raise IndexStateError(
-                    f"an {self.index_type} index is trained from all the vectors: run "
-                    f"pipeline index rebuild --output {self.output} --index-type {self.index_type}"
-                )
-            self._meta = self._new_meta(dim if dim is not None else _dim_from_schema(path), path)
-            self._index = faiss_flat(self._meta.dim)
+            self._meta = IndexMeta(
+                dim=dim if dim is not None else _dim_from_schema(path),
+                index_type=index_type,
+                topics=dict(self._carried_topics),
+                model=_model_meta(path),
+            )
         elif dim is not None and dim != self._meta.dim:
             raise IndexStateError(
                 f"{path.name} has {dim}-d vectors but the index is {self._meta.dim}-d: "
@@ -266,37 +284,19 @@ class IndexStore:
             )
         return self._meta
 
-    def _new_meta(self, dim: int, path: Path) -> IndexMeta:
-        topics, generation, index_file = self._carried
-        return IndexMeta(
-            dim=dim,
-            index_type=self.index_type,
-            topics=dict(topics),
-            generation=generation,
-            index_file=index_file,
-            model=_model_meta(path),
-        )
-
-    def _train_ivf(self, paths: list[Path]) -> None:
-        import faiss
-
-        tables = []
-        for path in paths[:200]:
-            try:
-                tables.append(_vectors(pq.read_table(path, columns=["embedding"])))
-            except (OSError, pa.ArrowException):
-                continue  # damaged: skipped (with a warning) when the vectors are added
-        sample = np.concatenate([t for t in tables if len(t)] or [np.empty((0, 1), np.float32)])
-        if len(sample) < 64:
-            raise IndexStateError("an IVF index needs at least 64 vectors; use the flat index")
-        dim = sample.shape[1]
-        nlist = max(1, min(int(np.sqrt(len(sample)) * 4), len(sample) // 39))
-        quantizer = faiss.IndexFlatIP(dim)
-        ivf = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
-        ivf.train(sample)
-        ivf.nprobe = max(1, nlist // 16)
-        self._meta = self._new_meta(dim, paths[0])
-        self._index = faiss.IndexIDMap2(ivf)
+    def _merge_small(self, meta: IndexMeta, names: FileNames, stats: SyncStats) -> None:
+        """Merges tiers of small flat shards (see sinks.index_shards); bounded by the cap."""
+        cap = self._cap_or_default()
+        while group := next_merge(meta.shards, cap):
+            merged = faiss_flat(meta.dim)
+            for shard in group:
+                vectors, ids = contents(read_index_file(self.directory / shard.file, shard.count))
+                merged.add_with_ids(vectors, ids)
+            name = names.next()
+            stats.bytes_written += write_checked(merged, self.directory / name)
+            stats.shards_merged += len(group)
+            meta.shards = [s for s in meta.shards if s not in group]
+            meta.shards.append(Shard(name, int(merged.ntotal)))
 
     # -- persistence -------------------------------------------------------------
 
@@ -320,69 +320,116 @@ class IndexStore:
             return None
         try:
             return IndexMeta.from_json(meta_path.read_text())
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise IndexStateError(
                 f"{meta_path} is unreadable ({exc}); run: pipeline index rebuild "
                 f"--output {self.output}"
             ) from exc
 
-    def _load_if_changed(self) -> None:
-        on_disk = self._saved_meta()
-        if on_disk is None:
-            self._index, self._meta = None, None
-            return
-        if self._meta is not None and on_disk.generation == self._meta.generation:
-            return
-        index = _read_index(self.directory / on_disk.index_file)
-        if int(index.ntotal) != on_disk.count:
+    def _read_meta(self) -> IndexMeta | None:
+        """The saved metadata, checked against its files without reading them."""
+        meta = self._saved_meta()
+        if meta is None:
+            return None
+        rebuild = f"run: pipeline index rebuild --output {self.output}"
+        if meta.shard_total != meta.count:
             raise IndexStateError(
-                f"the index in {self.directory} holds {index.ntotal} vectors but its metadata "
-                f"says {on_disk.count}; run: pipeline index rebuild --output {self.output}"
+                f"the index in {self.directory} holds {meta.shard_total} vectors but its "
+                f"metadata says {meta.count}; {rebuild}"
             )
-        self._index, self._meta = index, on_disk
+        for shard in meta.shards:
+            path = self.directory / shard.file
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError as exc:
+                raise IndexStateError(f"the index file {path} is missing; {rebuild}") from exc
+            if shard.kind == FLAT and size != flat_file_bytes(meta.dim, shard.count):
+                raise IndexStateError(
+                    f"the index file {path} is {size} bytes, not the "
+                    f"{flat_file_bytes(meta.dim, shard.count)} of the {shard.count} vectors "
+                    f"index.json says it holds: damaged or replaced; {rebuild}"
+                )
+        return meta
 
-    def load(self) -> None:
-        """Loads the saved index for searching (no sync)."""
-        with self._locked():
-            self._load_if_changed()
-        if self._meta is None:
-            raise IndexStateError(
-                f"no index in {self.directory}; run a worker or: "
-                f"pipeline index rebuild --output {self.output}"
-            )
-
-    def _save(self) -> None:
-        """Writes index-<generation>.faiss, then switches index.json to it.
+    def _commit(self, meta: IndexMeta, generation: int, stats: SyncStats) -> None:
+        """Switches index.json to the new list of shards (their files are already
+        written and fsynced), then removes the files no list names any more.
 
         The rename of index.json is the commit point: a crash before it leaves
-        the previous metadata pointing at the previous index file, intact.
+        the previous metadata naming the previous files, intact.
         """
-        import faiss
-
-        assert self._meta is not None
-        previous = self._meta.index_file
-        self._meta.generation += 1
-        self._meta.index_file = f"index-{self._meta.generation:08d}.faiss"
-        index_path = self.directory / self._meta.index_file
+        meta.generation = generation
         meta_tmp = self.directory / f".{INDEX_META_FILE}.{os.getpid()}.tmp"
+        text = meta.to_json()
         try:
-            faiss.write_index(self._index, str(index_path))
-            _fsync_file(index_path)
-            meta_tmp.write_text(self._meta.to_json())
-            _fsync_file(meta_tmp)
+            meta_tmp.write_text(text)
+            with open(meta_tmp, "rb") as fh:
+                os.fsync(fh.fileno())
             os.rename(meta_tmp, self.directory / INDEX_META_FILE)
             fsync_dir(self.directory)
         except OSError as exc:
-            index_path.unlink(missing_ok=True)
             meta_tmp.unlink(missing_ok=True)
-            raise output_error(exc, index_path) from exc
-        if previous and previous != self._meta.index_file:
-            (self.directory / previous).unlink(missing_ok=True)
+            raise output_error(exc, self.directory / INDEX_META_FILE) from exc
+        stats.bytes_written += len(text)
+        self._remove_unlisted(meta)
 
-    # -- search ------------------------------------------------------------------
+    def _remove_unlisted(self, meta: IndexMeta) -> None:
+        # Under the lock no reader is between reading index.json and its files.
+        listed = {s.file for s in meta.shards}
+        for path in self.directory.iterdir():
+            if is_index_file(path.name) and path.name not in listed:
+                path.unlink(missing_ok=True)
+
+    # -- reading -----------------------------------------------------------------
+
+    def load(self) -> None:
+        """Loads the saved index for searching (no sync): every shard, added up."""
+        with self._locked():
+            meta = self._read_meta()
+            if meta is None:
+                raise IndexStateError(
+                    f"no index in {self.directory}; run a worker or: "
+                    f"pipeline index rebuild --output {self.output}"
+                )
+            loaded = self._meta.generation if self._index is not None and self._meta else None
+            if loaded != meta.generation:
+                self._index = self._assemble(meta)
+            self._meta = meta
+
+    def _assemble(self, meta: IndexMeta) -> Any:
+        if not meta.shards:
+            return faiss_flat(meta.dim)
+        index: Any = None
+        for shard in meta.shards:
+            part = read_index_file(self.directory / shard.file, shard.count)
+            if index is None:
+                index = part  # the trained shard, if any, comes first
+                continue
+            index.add_with_ids(*contents(part))
+        return index
+
+    def meta_on_disk(self) -> IndexMeta | None:
+        """The saved metadata, checked against its files (for status and checks)."""
+        with self._locked():
+            return self._read_meta()
+
+    def ids(self) -> np.ndarray:
+        """Every id in the saved index, read from its files (for checks and status)."""
+        with self._locked():
+            meta = self._read_meta()
+            if meta is None:
+                return np.empty(0, dtype=np.int64)
+            parts = [ids_of(read_index_file(self.directory / s.file, s.count)) for s in meta.shards]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    @property
+    def ntotal(self) -> int:
+        if self._index is not None:
+            return int(self._index.ntotal)
+        return self._meta.shard_total if self._meta else 0
 
     def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
-        if self._meta is None:
+        if self._index is None:
             self.load()
         assert self._meta is not None
         index = self._search_index()
@@ -406,32 +453,6 @@ class IndexStore:
             return faiss.index_cpu_to_all_gpus(self._index)
         return self._index
 
-    @property
-    def ntotal(self) -> int:
-        return 0 if self._index is None else int(self._index.ntotal)
-
-    def ids(self) -> np.ndarray:
-        """Every id in the index (for checks and status)."""
-        import faiss
-
-        if self._index is None:
-            return np.empty(0, dtype=np.int64)
-        return faiss.vector_to_array(self._index.id_map).astype(np.int64)
-
-
-def faiss_flat(dim: int) -> Any:
-    import faiss
-
-    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-
-
-def _vectors(table: Any) -> np.ndarray:
-    column = table.column("embedding").combine_chunks()
-    if len(column) == 0:
-        return np.empty((0, 0), dtype=np.float32)
-    dim = column.type.list_size
-    return column.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32)
-
 
 def _list_size(table: Any) -> int | None:
     if table.num_rows == 0:
@@ -450,19 +471,3 @@ def _model_meta(path: Path) -> dict[str, str]:
         for k, v in raw.items()
         if k.startswith(b"embedding.")
     }
-
-
-def _read_index(path: Path) -> Any:
-    import faiss
-
-    try:
-        return faiss.read_index(str(path))
-    except RuntimeError as exc:
-        raise IndexStateError(
-            f"cannot read the index {path}: {exc}; run: pipeline index rebuild"
-        ) from exc
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())

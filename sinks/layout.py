@@ -2,7 +2,7 @@
 
     DIR/vectors/<topic>-p<partition:05d>-<first:020d>.parquet   segments
     DIR/quarantine/                                             damaged segments, moved aside
-    DIR/index/index.json -> DIR/index/index-<generation>.faiss  (see sinks.faiss_index)
+    DIR/index/index.json -> DIR/index/shard-<generation>-<n>.faiss  (see sinks.index_shards)
 
 A segment covers every offset from its first to its last of one partition: its
 rows are the good records in that range; the bad ones went to the dead-letter

@@ -1,5 +1,6 @@
 """IndexStore: ids derived from records, incremental sync equal to a rebuild,
-crash-safe saves, consistency checks, and several stores on one directory."""
+syncs that write only new vectors (shards, merged in tiers), crash-safe saves,
+consistency checks, trained indexes, and several stores on one directory."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pipeline.errors import IndexStateError
 from pipeline.records import GoodRecord, SourceRecord
 from sinks import faiss_index as faiss_mod
 from sinks.faiss_index import IndexStore, decode_id, encode_id
+from sinks.index_shards import MERGE_FANOUT, Shard, flat_file_bytes, next_merge
 from sinks.layout import INDEX_META_FILE, SegmentKey, index_dir, iter_segments, vectors_dir
 from sinks.parquet import ParquetSink, StagedFile
 
@@ -98,6 +100,14 @@ def fresh_rows(root: Path) -> list[Row]:
 
 def meta_json(root: Path) -> dict:
     return json.loads((index_dir(root) / INDEX_META_FILE).read_text())
+
+
+def shard_files(root: Path) -> list[Path]:
+    return [index_dir(root) / s["file"] for s in meta_json(root)["shards"]]
+
+
+def index_files_on_disk(root: Path) -> set[str]:
+    return {p.name for p in index_dir(root).iterdir() if p.suffix == ".faiss"}
 
 
 @pytest.fixture
@@ -286,8 +296,8 @@ def test_stray_new_index_file_from_a_crash_is_ignored(out: Output) -> None:
     IndexStore(out.root).sync()
     directory = index_dir(out.root)
     current = meta_json(out.root)
-    # a crash after writing index-<next>.faiss but before renaming index.json:
-    stray = directory / f"index-{current['generation'] + 1:08d}.faiss"
+    # a crash after writing the next shard but before renaming index.json:
+    stray = directory / f"shard-{current['generation'] + 1:08d}-0001.faiss"
     stray.write_bytes(b"half a faiss file")
     (directory / f".{INDEX_META_FILE}.99999.tmp").write_text('{"dim": 16, "generat')
     store = IndexStore(out.root)
@@ -298,6 +308,7 @@ def test_stray_new_index_file_from_a_crash_is_ignored(out: Output) -> None:
     out.segment("t", 0, 10, 12)
     assert IndexStore(out.root).sync() == 3
     assert sorted(fresh_rows(out.root)) == sorted(out.parquet_rows())
+    assert index_files_on_disk(out.root) == {p.name for p in shard_files(out.root)}
 
 
 class Crash(BaseException):
@@ -319,9 +330,9 @@ def test_crash_before_index_json_rename_keeps_old_state(
         m.setattr(faiss_mod.os, "rename", die)
         with pytest.raises(Crash):
             IndexStore(out.root).sync()
-    # the new index file was written, index.json was not switched
-    assert (index_dir(out.root) / f"index-{before['generation'] + 1:08d}.faiss").exists()
-    assert meta_json(out.root)["generation"] == before["generation"]
+    # the new shard was written, index.json was not switched
+    assert len(index_files_on_disk(out.root)) == 2
+    assert meta_json(out.root) == before
     store = IndexStore(out.root)
     store.load()
     assert store.ntotal == 10
@@ -347,24 +358,26 @@ def test_index_disagreeing_with_its_metadata_raises(out: Output) -> None:
     assert len(fresh_rows(out.root)) == 10
 
 
-def test_index_file_swapped_for_another_generation_raises(out: Output) -> None:
+def test_index_file_swapped_for_another_raises(out: Output) -> None:
     out.segment("t", 0, 0, 9)
     IndexStore(out.root).sync()
-    old_file = index_dir(out.root) / meta_json(out.root)["index_file"]
-    saved = old_file.read_bytes()
+    saved = shard_files(out.root)[0].read_bytes()
     out.segment("t", 0, 10, 14)
     IndexStore(out.root).sync()
-    (index_dir(out.root) / meta_json(out.root)["index_file"]).write_bytes(saved)
-    with pytest.raises(IndexStateError, match="holds 10 vectors"):
-        IndexStore(out.root).load()
+    shard_files(out.root)[-1].write_bytes(saved)  # 10 vectors where 5 belong
+    for act in (IndexStore(out.root).load, IndexStore(out.root).sync):
+        with pytest.raises(IndexStateError, match="damaged or replaced"):
+            act()
+    assert IndexStore(out.root).rebuild() == 15
 
 
 def test_missing_index_file_raises_index_state_error(out: Output) -> None:
     out.segment("t", 0, 0, 4)
     IndexStore(out.root).sync()
-    (index_dir(out.root) / meta_json(out.root)["index_file"]).unlink()
-    with pytest.raises(IndexStateError):
-        IndexStore(out.root).load()
+    shard_files(out.root)[0].unlink()
+    for act in (IndexStore(out.root).load, IndexStore(out.root).sync):
+        with pytest.raises(IndexStateError, match="missing"):
+            act()
 
 
 # ------------------------------------------------------------------ several stores
@@ -452,3 +465,125 @@ def test_ivf_store_sync_on_a_fresh_directory_does_not_crash(out: Output) -> None
     except IndexStateError:
         return  # a clear, expected error is acceptable
     assert added == 100
+
+
+# ------------------------------------------------------------------ shards
+
+
+def test_a_sync_writes_only_the_new_vectors_and_reads_no_shard(
+    out: Output, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for first in range(0, 2000, 500):
+        out.segment("t", 0, first, first + 499)
+    store = IndexStore(out.root)
+    assert store.sync() == 2000
+    out.segment("t", 0, 2000, 2009)
+
+    def no_reading(*_args: object) -> None:
+        raise AssertionError("a sync read a shard it did not need")
+
+    with monkeypatch.context() as m:
+        m.setattr(faiss_mod, "read_index_file", no_reading)
+        assert store.sync() == 10
+    json_bytes = (index_dir(out.root) / INDEX_META_FILE).stat().st_size
+    assert store.last_sync.bytes_written <= flat_file_bytes(DIM, 10) + json_bytes + 100
+    assert store.last_sync.shards_written == 1
+    assert sorted(fresh_rows(out.root)) == sorted(out.parquet_rows())
+
+
+def test_small_shards_merge_in_tiers_under_the_cap(out: Output) -> None:
+    cap = 64
+    store = IndexStore(out.root, shard_cap=cap)
+    most_written = 0
+    for n in range(100):
+        out.segment("t", n % 2, n * 3, n * 3 + 2)
+        assert store.sync() == 3
+        most_written = max(most_written, store.last_sync.bytes_written)
+    shards = meta_json(out.root)["shards"]
+    assert max(s["count"] for s in shards) <= cap
+    assert sum(s["count"] for s in shards) == 300
+    # 300 vectors lie in about 2 * 300 / cap sealed shards plus unfilled tiers
+    assert len(shards) <= 2 * 300 // cap + 2 * (MERGE_FANOUT - 1)
+    # what one sync writes is bounded by the cap, not by the corpus
+    assert most_written <= 2 * flat_file_bytes(DIM, cap) + 4096
+    assert index_files_on_disk(out.root) == {p.name for p in shard_files(out.root)}
+    rows = fresh_rows(out.root)
+    assert len(rows) == len(set(rows)) == 300
+    assert sorted(rows) == sorted(out.parquet_rows())
+
+
+def test_next_merge_takes_a_full_tier_and_leaves_big_shards_alone() -> None:
+    small = [Shard(f"s{i}", 3) for i in range(MERGE_FANOUT)]
+    assert next_merge(small[:-1], cap=1000) == []
+    assert next_merge(small, cap=1000) == small
+    sealed = [Shard(f"b{i}", 600) for i in range(MERGE_FANOUT * 2)]
+    assert next_merge(sealed, cap=1000) == []
+    trained = [Shard(f"i{i}", 3, "ivf") for i in range(MERGE_FANOUT)]
+    assert next_merge(trained, cap=1000) == []
+
+
+def test_an_index_saved_before_shards_is_read_and_extended(out: Output) -> None:
+    out.segment("t", 0, 0, 9)
+    IndexStore(out.root).sync()
+    data = meta_json(out.root)
+    old_name = f"index-{data['generation']:08d}.faiss"
+    shard_files(out.root)[0].rename(index_dir(out.root) / old_name)
+    del data["shards"]
+    data["index_file"] = old_name
+    (index_dir(out.root) / INDEX_META_FILE).write_text(json.dumps(data))
+    assert sorted(fresh_rows(out.root)) == sorted(out.parquet_rows())
+    out.segment("t", 0, 10, 14)
+    assert IndexStore(out.root).sync() == 5
+    assert old_name in {s["file"] for s in meta_json(out.root)["shards"]}
+    assert sorted(fresh_rows(out.root)) == sorted(out.parquet_rows())
+
+
+@pytest.mark.parametrize("index_type", ["ivf", "ivf-pq"])
+def test_trained_rebuild_reports_recall_and_indexes_every_row(out: Output, index_type: str) -> None:
+    for first in range(0, 1200, 300):
+        out.segment("t", 0, first, first + 299)
+    assert IndexStore(out.root, index_type=index_type).rebuild() == 1200
+    data = meta_json(out.root)
+    assert data["index_type"] == index_type
+    assert [s["kind"] for s in data["shards"]] == [index_type]
+    assert 0.1 <= data["recall_at_10"] <= 1.0
+    out.segment("t", 0, 1200, 1209)
+    assert IndexStore(out.root).sync() == 10  # a worker adds a flat shard after it
+    rows = fresh_rows(out.root)
+    assert len(rows) == len(set(rows)) == 1210
+    hits = IndexStore(out.root).search(out.vectors[("t", 0, 1205)][None, :], k=1)[0]
+    assert (hits[0].topic, hits[0].partition, hits[0].offset) == ("t", 0, 1205)
+
+
+# ------------------------------------------------------------------ pipeline index check
+
+
+def run_check(root: Path) -> tuple[int, dict]:
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, ["index", "check", "--output", str(root), "--json"])
+    report, _ = json.JSONDecoder().raw_decode(result.stdout)
+    return result.exit_code, report
+
+
+def test_index_check_passes_on_a_synced_output_and_counts_unsynced_rows(out: Output) -> None:
+    out.segment("t", 0, 0, 9, skip=(4,))
+    out.segment("u", 1, 0, 4)
+    IndexStore(out.root).sync()
+    out.segment("t", 0, 10, 12)
+    code, report = run_check(out.root)
+    assert code == 0
+    assert report["ok"] and report["vectors"] == 14 and report["uncovered_rows"] == 3
+    assert report["missing"] == report["extra"] == report["doubled"] == 0
+
+
+def test_index_check_fails_when_rows_and_ids_disagree(out: Output) -> None:
+    out.segment("t", 0, 0, 9)
+    out.segment("t", 0, 10, 19)
+    IndexStore(out.root).sync()
+    (vectors_dir(out.root) / SegmentKey("t", 0, 10).filename).unlink()  # rows gone, ids stay
+    code, report = run_check(out.root)
+    assert code == 65
+    assert report["extra"] == 10 and report["missing"] == 0 and not report["ok"]

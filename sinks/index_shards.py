@@ -1,0 +1,311 @@
+"""The files of the FAISS index: its metadata, its shards, and how shards merge.
+
+The index of an output directory is a list of immutable shard files named in
+`index/index.json`. A sync writes only the vectors that are new since the last
+one, as new shards; it never reads or rewrites the shards already there, so its
+cost and memory follow the work in flight, not the corpus. Readers (`pipeline
+search`, checks) load every listed shard and add them up into one index.
+
+Small shards are merged like Lucene's segments: shards below half the size cap
+fall into tiers by powers of `MERGE_FANOUT`, and a tier holding `MERGE_FANOUT`
+shards is merged into one, never past the cap. Each vector is so merged a few
+times at most (log base 8 of the cap), and a corpus of N vectors lies in about
+2N / cap shards. Only flat shards merge; an IVF shard (one, from `pipeline
+index rebuild --index-type ivf`) comes first and later flat shards add to it when
+a reader loads the index.
+
+index.json is the commit point: files are written and fsynced first, then
+index.json is replaced by a rename. A crash leaves the previous list intact, and
+the next save removes the files no list names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from pipeline.errors import IndexStateError
+
+FLAT = "flat"
+IVF = "ivf"
+IVF_PQ = "ivf-pq"
+INDEX_TYPES = (FLAT, IVF, IVF_PQ)
+# A shard's size cap: what a sync or a merge holds in memory at most (twice that
+# while the vector grows). 32 MiB is ~21,000 vectors of 384 floats.
+SHARD_CAP_BYTES = 32 << 20
+MERGE_FANOUT = 8
+_INDEX_FILE = re.compile(r"^(?:shard|index|ivf|ivf-pq)-\d{8}(?:-\d{4,})?\.faiss$")
+
+
+@dataclass(frozen=True)
+class Shard:
+    file: str
+    count: int
+    kind: str = FLAT  # FLAT, or a trained type (IVF, IVF_PQ) for the base shard
+
+
+@dataclass
+class IndexMeta:
+    dim: int
+    index_type: str = FLAT
+    topics: dict[str, int] = field(default_factory=dict)
+    covered: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> last offset
+    entries: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> vectors
+    generation: int = 0
+    model: dict[str, str] = field(default_factory=dict)
+    shards: list[Shard] = field(default_factory=list)
+    recall_at_10: float | None = None  # of a trained index against exact search
+
+    @property
+    def count(self) -> int:
+        return sum(self.entries.values())
+
+    @property
+    def shard_total(self) -> int:
+        return sum(s.count for s in self.shards)
+
+    def topic_no(self, topic: str) -> int:
+        if topic not in self.topics:
+            self.topics[topic] = len(self.topics)
+        return self.topics[topic]
+
+    def to_json(self) -> str:
+        data = dict(
+            asdict(self), count=self.count, shard_files=len(self.shards), updated_at=time.time()
+        )
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> IndexMeta:
+        data = json.loads(text)
+        entries = {k: int(v) for k, v in data.get("entries", {}).items()}
+        index_type = data.get("index_type", FLAT)
+        if "shards" in data:
+            shards = [
+                Shard(str(s["file"]), int(s["count"]), str(s["kind"])) for s in data["shards"]
+            ]
+        elif data.get("index_file"):  # one whole file, as versions before shards saved it
+            shards = [Shard(str(data["index_file"]), sum(entries.values()), index_type)]
+        else:
+            shards = []
+        recall = data.get("recall_at_10")
+        return cls(
+            dim=int(data["dim"]),
+            index_type=index_type,
+            topics={k: int(v) for k, v in data.get("topics", {}).items()},
+            covered={k: int(v) for k, v in data.get("covered", {}).items()},
+            entries=entries,
+            generation=int(data.get("generation", 0)),
+            model=dict(data.get("model", {})),
+            shards=shards,
+            recall_at_10=None if recall is None else float(recall),
+        )
+
+
+# -- shard files ---------------------------------------------------------------------
+
+
+def is_index_file(name: str) -> bool:
+    return bool(_INDEX_FILE.match(name))
+
+
+def shard_name(generation: int, seq: int) -> str:
+    return f"shard-{generation:08d}-{seq:04d}.faiss"
+
+
+def cap_vectors(dim: int, cap_bytes: int = SHARD_CAP_BYTES) -> int:
+    return max(1024, cap_bytes // vector_bytes(dim))
+
+
+def vector_bytes(dim: int) -> int:
+    return dim * 4 + 8  # the float32 vector and its int64 id
+
+
+@lru_cache(maxsize=8)
+def _flat_header_bytes(dim: int) -> int:
+    import faiss
+
+    return len(faiss.serialize_index(faiss_flat(dim)))
+
+
+def flat_file_bytes(dim: int, count: int) -> int:
+    """The exact size of a flat shard file of `count` vectors: checked without reading it."""
+    return _flat_header_bytes(dim) + count * vector_bytes(dim)
+
+
+def faiss_flat(dim: int) -> Any:
+    import faiss
+
+    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+
+
+def write_index_file(index: Any, path: Path) -> int:
+    """Writes and fsyncs an index file; returns its size."""
+    import faiss
+
+    faiss.write_index(index, str(path))
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+        return os.fstat(fh.fileno()).st_size
+
+
+def read_index_file(path: Path, expected: int) -> Any:
+    import faiss
+
+    try:
+        index = faiss.read_index(str(path))
+    except RuntimeError as exc:
+        raise IndexStateError(f"cannot read the index file {path}: {exc}") from exc
+    if int(index.ntotal) != expected:
+        raise IndexStateError(
+            f"the index file {path} holds {index.ntotal} vectors but index.json says {expected}"
+        )
+    return index
+
+
+def contents(index: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The vectors and ids of a flat shard."""
+    import faiss
+
+    n = int(index.ntotal)
+    vectors = faiss.downcast_index(index.index).reconstruct_n(0, n) if n else None
+    ids = faiss.vector_to_array(index.id_map).astype(np.int64)
+    if vectors is None:
+        vectors = np.empty((0, index.d), dtype=np.float32)
+    return vectors, ids
+
+
+def ids_of(index: Any) -> np.ndarray:
+    import faiss
+
+    return faiss.vector_to_array(index.id_map).astype(np.int64)
+
+
+# -- merging -------------------------------------------------------------------------
+
+
+def _tier(count: int) -> int:
+    return int(math.log(max(count, 1), MERGE_FANOUT))
+
+
+def next_merge(shards: Iterable[Shard], cap: int) -> list[Shard]:
+    """The shards to merge next (empty: none): the smallest tier holding MERGE_FANOUT
+    flat shards below half the cap, as many of its smallest as fit under the cap."""
+    tiers: dict[int, list[Shard]] = {}
+    for shard in shards:
+        if shard.kind == FLAT and shard.count * 2 <= cap:
+            tiers.setdefault(_tier(shard.count), []).append(shard)
+    for tier in sorted(tiers):
+        members = sorted(tiers[tier], key=lambda s: s.count)
+        if len(members) < MERGE_FANOUT:
+            continue
+        group: list[Shard] = []
+        for shard in members:
+            if sum(s.count for s in group) + shard.count > cap:
+                break
+            group.append(shard)
+        if len(group) >= 2:
+            return group
+    return []
+
+
+# -- writing -------------------------------------------------------------------------
+
+
+@dataclass
+class SyncStats:
+    """What the last sync or rebuild did, for logs, metrics and the scale benchmark."""
+
+    added: int = 0
+    shards_written: int = 0
+    shards_merged: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+class VectorSink(Protocol):
+    """Where a sync or rebuild puts the vectors it reads: flat shards or a trained index."""
+
+    def add(self, vectors: np.ndarray, ids: np.ndarray) -> None: ...
+
+    def finish(self) -> list[Shard]: ...
+
+
+@dataclass
+class FileNames:
+    """Names of the files one save writes: all carry the generation it commits."""
+
+    generation: int
+    seq: int = 0
+
+    def next(self) -> str:
+        self.seq += 1
+        return shard_name(self.generation, self.seq)
+
+
+def write_checked(index: Any, path: Path) -> int:
+    """write_index_file, with an OSError turned into one actionable OutputError."""
+    from sinks.parquet import output_error
+
+    try:
+        return write_index_file(index, path)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise output_error(exc, path) from exc
+
+
+@dataclass
+class FlatShardWriter:
+    """Buffers new vectors and writes them as flat shards of about `cap` vectors."""
+
+    directory: Path
+    names: FileNames
+    cap: int
+    stats: SyncStats
+    _vectors: list[np.ndarray] = field(default_factory=list)
+    _ids: list[np.ndarray] = field(default_factory=list)
+    _buffered: int = 0
+    _written: list[Shard] = field(default_factory=list)
+
+    def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
+        self._vectors.append(np.ascontiguousarray(vectors, dtype=np.float32))
+        self._ids.append(ids.astype(np.int64))
+        self._buffered += len(ids)
+        if self._buffered >= self.cap:
+            self._flush()
+
+    def finish(self) -> list[Shard]:
+        self._flush()
+        return self._written
+
+    def _flush(self) -> None:
+        if not self._buffered:
+            return
+        vectors = np.concatenate(self._vectors)
+        index = faiss_flat(vectors.shape[1])
+        index.add_with_ids(vectors, np.concatenate(self._ids))
+        self._vectors, self._ids = [], []
+        name = self.names.next()
+        self.stats.bytes_written += write_checked(index, self.directory / name)
+        self.stats.shards_written += 1
+        self._written.append(Shard(name, self._buffered))
+        self._buffered = 0
+
+
+def table_vectors(table: Any) -> np.ndarray:
+    """The `embedding` column of a Parquet table as an (n, dim) float32 array."""
+    column = table.column("embedding").combine_chunks()
+    if len(column) == 0:
+        return np.empty((0, 0), dtype=np.float32)
+    dim = column.type.list_size
+    return column.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32)
