@@ -17,6 +17,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -24,9 +25,11 @@ from consumers.committer import PublishedBatch
 from consumers.partitions import Ownership
 from pipeline.batcher import MicroBatch, TopicPartitionKey
 from pipeline.embedder import Embedder, EmbedStats
+from pipeline.errors import PipelineError
 from pipeline.host import release_free_memory
 from pipeline.metrics import WorkerMetrics
 from pipeline.records import BadRecord, GoodRecord
+from sinks.compaction import compact
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
 from sinks.layout import SegmentKey
@@ -272,3 +275,45 @@ class WriteStage(Stage):
 
 def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
     return (record.source.topic, record.source.partition)
+
+
+class CompactStage(Stage):
+    """Merges small segments every `interval_s` (sinks.compaction), off the hot path.
+
+    Compaction is upkeep: when it cannot run (another worker is compacting, the
+    filesystem cannot exchange directories, the disk is full) the worker goes on
+    without it and says why, once.
+    """
+
+    def __init__(
+        self, output: Path, stop: threading.Event, interval_s: float, target_bytes: int
+    ) -> None:
+        super().__init__("compact", queue.Queue(maxsize=1), stop)
+        self.output = output
+        self.interval_s = interval_s
+        self.target_bytes = target_bytes
+        self._last = time.monotonic()
+        self._warned: set[str] = set()
+
+    def handle(self, item: object) -> None:  # nothing is ever queued here
+        raise AssertionError(f"unexpected item {item!r}")
+
+    def idle(self) -> None:
+        if time.monotonic() - self._last < self.interval_s:
+            return
+        self._last = time.monotonic()
+        try:
+            report = compact(self.output, self.target_bytes, should_stop=self.stop_event.is_set)
+        except PipelineError as exc:
+            if str(exc) not in self._warned:
+                self._warned.add(str(exc))
+                log.warning("compaction skipped: %s", exc)
+            return
+        if report.runs:
+            log.info(
+                "compaction: %d segments merged into %d (%d rows) in %.1fs",
+                report.merged_files,
+                report.runs,
+                report.rows,
+                report.seconds,
+            )

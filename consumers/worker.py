@@ -29,7 +29,7 @@ from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssi
 from consumers import repair
 from consumers.committer import OffsetCommitter, PublishedBatch
 from consumers.partitions import Applied, Listener, Ownership, Reader
-from consumers.stages import EmbedStage, Stage, WriteStage
+from consumers.stages import CompactStage, EmbedStage, Stage, WriteStage
 from pipeline import cluster
 from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from pipeline.config import WorkerConfig
@@ -302,6 +302,15 @@ class Worker:
             alive=self._heard_by_group,
         )
         self._stages = [embed, write]
+        if self.config.compact_interval_s > 0:
+            self._stages.append(
+                CompactStage(
+                    self.config.output,
+                    self._stop_stages,
+                    self.config.compact_interval_s,
+                    self.config.compact_target_mb << 20,
+                )
+            )
         for stage in self._stages:
             stage.start()
 

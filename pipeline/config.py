@@ -128,6 +128,9 @@ class WorkerConfig:
     # How long a revocation waits for in-flight batches; it blocks kafka-python's IO thread.
     revoke_timeout_s: float = 5.0
     index_sync_interval_s: float = 30.0
+    # Small segments are merged this often (sinks.compaction); 0 turns it off.
+    compact_interval_s: float = 600.0
+    compact_target_mb: int = 128
     # How long the worker keeps retrying a cluster that does not answer (commits,
     # dead letters, end checks) before it exits with one line; the consumer
     # itself reconnects on its own through broker restarts.
@@ -156,6 +159,9 @@ class WorkerConfig:
         _check_positive("max text bytes", self.max_text_bytes)
         _check_positive("max poll interval (ms)", self.max_poll_interval_ms)
         _check_positive("broker timeout (s)", self.broker_timeout_s)
+        _check_positive("compaction target (MB)", self.compact_target_mb)
+        if self.compact_interval_s < 0:
+            raise ConfigError("--compact-interval-s must be 0 (off) or more")
         optional = {
             "replicas": "replicas",
             "torch_threads": "torch threads",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,7 +157,7 @@ class IndexStore:
             generation = self._meta.generation if self._meta else 0
             covered = dict(self._meta.covered) if self._meta else {}
             names = FileNames(generation + 1)
-            writer = FlatShardWriter(self.directory, names, self._cap_or_default(), stats)
+            writer = FlatShardWriter(self.directory, names, self.shard_cap, stats)
             stats.added = self._add_new_segments(writer, FLAT)
             new = writer.finish()
             if self._meta is not None and (new or self._meta.covered != covered):
@@ -183,8 +184,10 @@ class IndexStore:
             names = FileNames((previous.generation if previous else 0) + 1)
             self._index, self._meta, self.damaged = None, None, []
             shared = (self.directory, names, stats)
+            # A flat rebuild writes one file, as readers load one file fastest:
+            # like them, it holds the whole index in memory (a worker never does).
             sink: VectorSink = (
-                FlatShardWriter(self.directory, names, self._cap_or_default(), stats)
+                FlatShardWriter(self.directory, names, self.shard_cap or sys.maxsize, stats)
                 if self.index_type == FLAT
                 else trained_builder(self.index_type, self._all_segments(), *shared)
             )
@@ -202,10 +205,8 @@ class IndexStore:
     def _all_segments(self) -> list[SegmentFile]:
         return [s for parts in segments_by_partition(self.output).values() for s in parts]
 
-    def _cap_or_default(self) -> int:
-        if self.shard_cap is not None:
-            return self.shard_cap
-        return cap_vectors(self._meta.dim) if self._meta else 1 << 62  # set once a dim is known
+    def _merge_cap(self, dim: int) -> int:
+        return self.shard_cap if self.shard_cap is not None else cap_vectors(dim)
 
     def _add_new_segments(self, sink: VectorSink, index_type: str) -> int:
         added = 0
@@ -244,8 +245,6 @@ class IndexStore:
     def _add_segment(self, segment: SegmentFile, sink: VectorSink, index_type: str) -> int:
         table, info = read_rows(segment, ["offset", "embedding"])
         meta = self._ensure(_list_size(table), segment.path, index_type)
-        if isinstance(sink, FlatShardWriter) and self.shard_cap is None:
-            sink.cap = cap_vectors(meta.dim)
         key = _key(*segment.key.partition_key)
         through = meta.covered.get(key, -1)
         offsets = table.column("offset").to_numpy().astype(np.int64)
@@ -286,7 +285,7 @@ class IndexStore:
 
     def _merge_small(self, meta: IndexMeta, names: FileNames, stats: SyncStats) -> None:
         """Merges tiers of small flat shards (see sinks.index_shards); bounded by the cap."""
-        cap = self._cap_or_default()
+        cap = self._merge_cap(meta.dim)
         while group := next_merge(meta.shards, cap):
             merged = faiss_flat(meta.dim)
             for shard in group:
@@ -397,15 +396,17 @@ class IndexStore:
             self._meta = meta
 
     def _assemble(self, meta: IndexMeta) -> Any:
+        """The first file (the trained one, if any) with every other shard added at once."""
         if not meta.shards:
             return faiss_flat(meta.dim)
-        index: Any = None
-        for shard in meta.shards:
-            part = read_index_file(self.directory / shard.file, shard.count)
-            if index is None:
-                index = part  # the trained shard, if any, comes first
-                continue
-            index.add_with_ids(*contents(part))
+        first, *rest = meta.shards
+        index = read_index_file(self.directory / first.file, first.count)
+        parts = [contents(read_index_file(self.directory / s.file, s.count)) for s in rest]
+        if parts:
+            vectors = np.concatenate([v for v, _ in parts])
+            ids = np.concatenate([i for _, i in parts])
+            parts.clear()
+            index.add_with_ids(vectors, ids)
         return index
 
     def meta_on_disk(self) -> IndexMeta | None:

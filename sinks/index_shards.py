@@ -266,11 +266,12 @@ def write_checked(index: Any, path: Path) -> int:
 
 @dataclass
 class FlatShardWriter:
-    """Buffers new vectors and writes them as flat shards of about `cap` vectors."""
+    """Buffers new vectors and writes them as flat shards of about `cap` vectors
+    (None: SHARD_CAP_BYTES' worth, known once the dimension is)."""
 
     directory: Path
     names: FileNames
-    cap: int
+    cap: int | None
     stats: SyncStats
     _vectors: list[np.ndarray] = field(default_factory=list)
     _ids: list[np.ndarray] = field(default_factory=list)
@@ -281,6 +282,8 @@ class FlatShardWriter:
         self._vectors.append(np.ascontiguousarray(vectors, dtype=np.float32))
         self._ids.append(ids.astype(np.int64))
         self._buffered += len(ids)
+        if self.cap is None:
+            self.cap = cap_vectors(vectors.shape[1])
         if self._buffered >= self.cap:
             self._flush()
 

@@ -28,6 +28,7 @@ from pipeline.errors import OutputError
 from pipeline.records import GoodRecord
 from sinks.layout import TMP_SUFFIX, SegmentKey, vectors_dir
 from sinks.segments import segment_metadata
+from sinks.vectors_swap import VectorsLock, fenced
 from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files
 
 # Codec chosen by measurement (2,000 docstring paragraphs, 384-d float32, pyarrow 26):
@@ -36,7 +37,7 @@ from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files
 # (9 ms vs 20 ms uncompressed). Float vectors barely compress; splitting the
 # float bytes into streams is what lets zstd find the redundancy in exponents.
 CODEC = "zstd"
-_EMBEDDING_LEAF = "embedding.list.element"
+EMBEDDING_LEAF = "embedding.list.element"
 
 _stage_numbers = itertools.count()
 
@@ -69,6 +70,9 @@ class StagedFile:
 class ParquetSink:
     def __init__(self, output: Path, model: ModelInfo) -> None:
         self.directory = vectors_dir(output)
+        # Held shared while a file is created, written or published here, so
+        # that a compaction's directory exchange never leaves one behind.
+        self.lock = VectorsLock(output)
         self._model_metadata = {f"embedding.{k}": v for k, v in model.as_metadata().items()}
         self._schema = schema(model.dim)
         self._dim = model.dim
@@ -78,13 +82,15 @@ class ParquetSink:
         sinks.writers) and removes dead writers' temp files."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / f".probe.{WRITER}{TMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
-            hold_writer_lock(self.directory)
+            with self.lock.shared():
+                probe = self.directory / f".probe.{WRITER}{TMP_SUFFIX}"
+                probe.write_bytes(b"")
+                probe.unlink()
+                hold_writer_lock(self.directory)
         except OSError as exc:
             raise OutputError(f"output directory {self.directory} is not writable: {exc}") from exc
-        return remove_stale_temp_files(self.directory)
+        with self.lock.shared():
+            return remove_stale_temp_files(self.directory)
 
     def stage(
         self,
@@ -102,13 +108,13 @@ class ParquetSink:
         metadata = segment_metadata(key.first, last, consumed, WRITER, start)
         table = self._table(records, vectors, {**self._model_metadata, **metadata})
         try:
-            with open(tmp, "wb") as fh:
+            with self.lock.shared(), open(tmp, "wb") as fh:
                 pq.write_table(
                     table,
                     fh,
                     compression=CODEC,
                     use_dictionary=["topic"],
-                    use_byte_stream_split=[_EMBEDDING_LEAF],
+                    use_byte_stream_split=[EMBEDDING_LEAF],
                 )
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -121,9 +127,18 @@ class ParquetSink:
         """Publishes the staged file under its final name unless that name exists.
 
         False when another writer published a segment starting at the same
-        offset first (or cleaned this temp file away): the caller must then
-        treat the partition's position as unknown and read it from the directory.
+        offset first, or a compaction merged a range holding that offset (see
+        sinks.vectors_swap), or a writer cleaned this temp file away: the caller
+        must then treat the partition's position as unknown and read it from
+        the directory.
         """
+        with self.lock.shared():
+            if fenced(self.directory, staged.key):
+                staged.tmp_path.unlink(missing_ok=True)
+                return False
+            return self._link(staged)
+
+    def _link(self, staged: StagedFile) -> bool:
         try:
             os.link(staged.tmp_path, staged.final_path)
         except FileExistsError:

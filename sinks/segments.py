@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import OutputError
 from sinks.layout import SegmentFile, quarantine_dir
+from sinks.vectors_swap import VectorsLock
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,8 @@ def quarantine(output: Path, segment: SegmentFile, reason: str) -> QuarantineNot
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.urandom(3).hex()}"
     destination = directory / f"{segment.path.name}.{stamp}"
     try:
-        os.rename(segment.path, destination)
+        with VectorsLock(output).shared():  # not resurrected by a compaction's exchange
+            os.rename(segment.path, destination)
     except FileNotFoundError:
         return None  # another worker moved it first
     except OSError as exc:

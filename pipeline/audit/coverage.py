@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.audit.ranges import Key, Range, complement, describe_ranges, merge
 from sinks.layout import SegmentFile, segments_by_partition
 from sinks.segments import DamagedSegment, SegmentInfo, read_info
+from sinks.vectors_swap import read_consistently
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,13 @@ def output_coverage(
 ) -> dict[Key, Coverage]:
     """Coverage of every partition that has segments or a committed offset (footers only)."""
     wanted = set(topics) if topics is not None else None
+    # Read again if a compaction exchanged the files meanwhile (sinks.vectors_swap).
+    return read_consistently(output, lambda: _output_coverage(output, committed, wanted))
+
+
+def _output_coverage(
+    output: Path, committed: Mapping[Key, int], wanted: set[str] | None
+) -> dict[Key, Coverage]:
     segments = segments_by_partition(output, wanted)
     keys = set(segments) | {k for k in committed if wanted is None or k[0] in wanted}
     coverage = {}

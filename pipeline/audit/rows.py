@@ -15,6 +15,7 @@ from pipeline.audit.coverage import Coverage, DamagedFile, check_coverage
 from pipeline.audit.ranges import EMPTY, Key
 from sinks.layout import segments_by_partition
 from sinks.segments import DamagedSegment, SegmentInfo, read_rows
+from sinks.vectors_swap import read_consistently
 
 
 @dataclass
@@ -35,6 +36,11 @@ class OutputRows:
 
 def read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
     """Reads the topic, partition and offset of every row of the topics' segments."""
+    # Read again if a compaction exchanged the files meanwhile (sinks.vectors_swap).
+    return read_consistently(output, lambda: _read_output_rows(output, topics))
+
+
+def _read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
     found = OutputRows()
     chunks: dict[Key, list[np.ndarray]] = defaultdict(list)
     for key, segments in segments_by_partition(output, topics).items():

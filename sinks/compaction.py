@@ -1,0 +1,288 @@
+"""`pipeline compact`: merges runs of small segments into large ones, atomically.
+
+A partition's segments tile its offsets; a nearline worker writing one batch a
+second leaves tens of thousands of small files a day, which every reader pays
+for. Compaction merges runs of consecutive small segments of one partition
+(each run contiguous, one model's vectors, up to `target_bytes`) into one
+segment named by its range, `<topic>-p<partition>-<first>-<last>.parquet`. The
+merged file keeps what the sources said: their rows in offset order, the range
+they covered, the records they consumed, how the first one started.
+
+The order of things, and why a crash anywhere leaves a readable dataset with
+every row once:
+
+1. merged files are written and fsynced in `DIR/.compact-<token>/`, which no
+   reader lists;
+2. under the exclusive vectors lock (see sinks.vectors_swap), the next
+   `vectors/` is built beside the current one: hard links of every file but the
+   sources, the merged files, and the fences of the merged ranges;
+3. one `renameat2(RENAME_EXCHANGE)` swaps it in: the commit point;
+4. the old directory (now at the side) and the staging directory are removed;
+   a later run removes what a crash left of them.
+
+Offsets stay recoverable: the merged file covers exactly its sources' range,
+so where each partition ends, and so where a restarted worker starts, does not
+change. The index does not change either: its ids are offsets.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import OutputError
+from sinks.layout import SegmentFile, TopicPartitionKey, segments_by_partition, vectors_dir
+from sinks.parquet import CODEC, EMBEDDING_LEAF, fsync_dir
+from sinks.segments import (
+    META_PREFIX,
+    DamagedSegment,
+    SegmentInfo,
+    info_from_metadata,
+    segment_metadata,
+)
+from sinks.vectors_swap import VectorsLock, exchange, link_tree, write_fences
+from sinks.writers import WRITER
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET_BYTES = 128 << 20
+# Rows per row group in merged files: large enough for fast scans, small enough
+# that a reader of a few rows does not decode a whole file.
+ROW_GROUP_ROWS = 64 * 1024
+_COMPACTOR_LOCK = ".compact.lock"
+_STAGING = ".compact-"
+_NEXT = ".vectors.next-"
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive segments of one partition to merge into one."""
+
+    key: TopicPartitionKey
+    sources: tuple[SegmentInfo, ...]
+
+    @property
+    def first(self) -> int:
+        return self.sources[0].first
+
+    @property
+    def last(self) -> int:
+        return self.sources[-1].last
+
+    @property
+    def name(self) -> str:
+        topic, partition = self.key
+        return f"{topic}-p{partition:05d}-{self.first:020d}-{self.last:020d}.parquet"
+
+
+@dataclass
+class CompactionReport:
+    files_before: int = 0
+    files_after: int = 0
+    runs: int = 0
+    merged_files: int = 0
+    rows: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def compact(
+    output: Path,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    dry_run: bool = False,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> CompactionReport:
+    """Merges runs of small segments in `output`; see the module docstring.
+
+    `should_stop` is asked between merged files: a stopping worker abandons the
+    run (nothing visible changed yet) rather than holding up its shutdown."""
+    started = time.perf_counter()
+    report = CompactionReport()
+    with _only_compactor(output):
+        _remove_leftovers(output)
+        segments = segments_by_partition(output)
+        report.files_before = sum(len(s) for s in segments.values())
+        runs = [
+            run for key, parts in segments.items() for run in plan_runs(key, parts, target_bytes)
+        ]
+        report.runs = len(runs)
+        report.rows = sum(info.rows for run in runs for info in run.sources)
+        report.merged_files = sum(len(run.sources) for run in runs)
+        if dry_run or not runs:
+            report.files_after = report.files_before - report.merged_files + len(runs)
+        else:
+            staging = output / f"{_STAGING}{WRITER}"
+            staging.mkdir()
+            try:
+                for run in runs:
+                    if should_stop():
+                        report.skipped.append("stopped before the exchange")
+                        return report
+                    report.bytes_read += _write_merged(run, staging / run.name)
+                fsync_dir(staging)
+                _swap_in(output, staging, runs, segments, report)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            report.files_after = sum(len(s) for s in segments_by_partition(output).values())
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def plan_runs(key: TopicPartitionKey, segments: list[SegmentFile], target_bytes: int) -> list[Run]:
+    """Runs of at least two consecutive small segments, each run within target_bytes."""
+    runs: list[Run] = []
+    current: list[SegmentInfo] = []
+    size = 0
+    model: dict[bytes, bytes] | None = None
+
+    def close() -> None:
+        nonlocal current, size
+        if len(current) >= 2:
+            runs.append(Run(key, tuple(current)))
+        current, size = [], 0
+
+    for segment in segments:
+        info, file_size, embedding = _describe(segment)
+        small = info is not None and info.records is not None and file_size * 2 <= target_bytes
+        if not small or info is None:
+            close()
+            continue
+        joins = (
+            current
+            and info.first == current[-1].last + 1
+            and info.start is None
+            and embedding == model
+            and size + file_size <= target_bytes
+        )
+        if not joins:
+            close()
+        if not current:
+            model = embedding
+        current.append(info)
+        size += file_size
+    close()
+    return runs
+
+
+def _describe(segment: SegmentFile) -> tuple[SegmentInfo | None, int, dict[bytes, bytes]]:
+    """A segment's footer facts, its size and its model metadata; None if unusable."""
+    try:
+        footer = pq.read_metadata(segment.path)
+        info = info_from_metadata(segment, footer.metadata, footer.num_rows)
+        size = segment.path.stat().st_size
+    except (DamagedSegment, OSError, pa.ArrowException):
+        return None, 0, {}  # a worker quarantines it; never merged
+    raw = footer.metadata or {}
+    embedding = {k: v for k, v in raw.items() if k.startswith(b"embedding.")}
+    return info, size, embedding
+
+
+def _write_merged(run: Run, path: Path) -> int:
+    """Writes the run's rows, in offset order, with the run's range; returns bytes read."""
+    first_schema = pq.read_schema(run.sources[0].file.path)
+    raw = {k.decode(): v.decode() for k, v in (first_schema.metadata or {}).items()}
+    kept = {k: v for k, v in raw.items() if not k.startswith(META_PREFIX)}
+    records = sum(info.records or 0 for info in run.sources)
+    meta = segment_metadata(run.first, run.last, records, f"compact:{WRITER}", run.sources[0].start)
+    schema = first_schema.with_metadata({**kept, **meta})
+    bytes_read = 0
+    pending: list[pa.Table] = []
+    with open(path, "wb") as fh:
+        with pq.ParquetWriter(
+            fh,
+            schema,
+            compression=CODEC,
+            use_dictionary=["topic"],
+            use_byte_stream_split=[EMBEDDING_LEAF],
+        ) as writer:
+            for info in run.sources:
+                table = pq.read_table(info.file.path).replace_schema_metadata(schema.metadata)
+                bytes_read += info.file.path.stat().st_size
+                pending.append(table.cast(schema))
+                if sum(t.num_rows for t in pending) >= ROW_GROUP_ROWS:
+                    writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+                    pending = []
+            if pending:
+                writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return bytes_read
+
+
+def _swap_in(
+    output: Path,
+    staging: Path,
+    runs: list[Run],
+    segments: dict[TopicPartitionKey, list[SegmentFile]],
+    report: CompactionReport,
+) -> None:
+    current = vectors_dir(output)
+    upcoming = output / f"{_NEXT}{WRITER}"
+    with VectorsLock(output).exclusive():
+        live = [run for run in runs if all(i.file.path.exists() for i in run.sources)]
+        for run in runs:
+            if run not in live:  # a worker quarantined a source meanwhile
+                report.skipped.append(f"{run.name}: a source vanished")
+        if not live:
+            return
+        sources = {info.file.path for run in live for info in run.sources}
+        link_tree(current, upcoming, sources)
+        for run in live:
+            os.link(staging / run.name, upcoming / run.name)
+        for key in {run.key for run in live}:
+            write_fences(upcoming, *key, _merged_ranges(key, segments, live))
+        fsync_dir(upcoming)
+        exchange(current, upcoming)
+        fsync_dir(output)
+    report.runs = len(live)
+    shutil.rmtree(upcoming, ignore_errors=True)  # the old vectors/, swapped aside
+
+
+def _merged_ranges(
+    key: TopicPartitionKey, segments: dict[TopicPartitionKey, list[SegmentFile]], runs: list[Run]
+) -> list[tuple[int, int]]:
+    """The partition's ranges held by range-named files after this compaction."""
+    merged_away = {info.file.path for run in runs for info in run.sources}
+    ranges = [
+        (s.key.first, s.named_last)
+        for s in segments.get(key, [])
+        if s.named_last is not None and s.path not in merged_away
+    ]
+    ranges += [(run.first, run.last) for run in runs if run.key == key]
+    return ranges
+
+
+@contextmanager
+def _only_compactor(output: Path) -> Iterator[None]:
+    try:
+        fh = open(output / _COMPACTOR_LOCK, "a+b")  # noqa: SIM115 - held for the block
+    except OSError as exc:
+        raise OutputError(f"cannot use {output}: {exc}") from exc
+    with fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputError(f"another compaction of {output} is running") from None
+        yield
+
+
+def _remove_leftovers(output: Path) -> None:
+    """What a crashed compaction left: never listed by readers, safe to remove."""
+    for path in output.iterdir():
+        if path.name.startswith((_STAGING, _NEXT)) and path.is_dir():
+            log.info("removing %s, left by an interrupted compaction", path)
+            shutil.rmtree(path, ignore_errors=True)
