@@ -12,6 +12,7 @@ from pipeline.errors import IndexStateError
 from sinks.faiss_index import Hit, IndexStore
 from sinks.layout import segments_by_partition
 from sinks.segments import DamagedSegment, read_rows
+from sinks.vectors_swap import read_consistently
 
 
 def search_output(output: Path, query: str, k: int, device: str = "auto") -> list[dict[str, Any]]:
@@ -30,7 +31,9 @@ def search_output(output: Path, query: str, k: int, device: str = "auto") -> lis
             f"but that model now loads as {embedder.info.revision}"
         )
     hits = store.search(embedder.embed([query]), k)[0]
-    return [dict(_row(output, hit), score=hit.score) for hit in hits]
+    # Read again if a compaction exchanged the files meanwhile (sinks.vectors_swap).
+    rows = read_consistently(output, lambda: [_row(output, hit) for hit in hits])
+    return [dict(row, score=hit.score) for row, hit in zip(rows, hits, strict=True)]
 
 
 def _model_name(model_meta: dict[str, str]) -> str:

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import OutputError
 from sinks.layout import SegmentFile, TopicPartitionKey, segments_by_partition, vectors_dir
-from sinks.parquet import CODEC, EMBEDDING_LEAF, fsync_dir
+from sinks.parquet import CODEC, EMBEDDING_LEAF, fsync_dir, output_error
 from sinks.segments import (
     META_PREFIX,
     DamagedSegment,
@@ -110,6 +110,15 @@ def compact(
 
     `should_stop` is asked between merged files: a stopping worker abandons the
     run (nothing visible changed yet) rather than holding up its shutdown."""
+    try:
+        return _compact(output, target_bytes, dry_run, should_stop)
+    except OSError as exc:  # disk full, permissions: one line, as for a worker's writes
+        raise output_error(exc, output) from exc
+
+
+def _compact(
+    output: Path, target_bytes: int, dry_run: bool, should_stop: Callable[[], bool]
+) -> CompactionReport:
     started = time.perf_counter()
     report = CompactionReport()
     with _only_compactor(output):

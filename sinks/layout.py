@@ -15,7 +15,10 @@ The name holds only the first offset, and that is deliberate: publishing is a
 create-if-absent of that name, so two writers that both believe they own a
 partition (a stalled worker that comes back, and the new owner) race for the
 same name and exactly one wins. The last offset is in the file's metadata.
-Names from before this scheme (`<first>-<last>.parquet`) are still read.
+
+Range names, `<first>-<last>.parquet`, are written by compaction (see
+sinks.compaction, which also fences the merged range against late writers) and
+were written by versions before the scheme above; both are read alike.
 
 Files still being written start with a dot and end in `.tmp`, never `.parquet`.
 """
@@ -59,7 +62,7 @@ class SegmentKey:
 
 @dataclass(frozen=True, order=True)
 class SegmentFile:
-    """A finished segment in the directory; `named_last` only for legacy names."""
+    """A finished segment in the directory; `named_last` only for range names."""
 
     key: SegmentKey
     path: Path

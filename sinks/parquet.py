@@ -161,9 +161,9 @@ class ParquetSink:
             raise output_error(exc, staged.final_path) from exc
         return True
 
-    @staticmethod
-    def discard(staged: StagedFile) -> None:
-        staged.tmp_path.unlink(missing_ok=True)
+    def discard(self, staged: StagedFile) -> None:
+        with self.lock.shared():
+            staged.tmp_path.unlink(missing_ok=True)
 
     def _table(
         self, records: Sequence[GoodRecord], vectors: np.ndarray, metadata: dict[str, str]

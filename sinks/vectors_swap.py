@@ -148,9 +148,12 @@ def link_tree(source: Path, target: Path, leave_out: set[Path]) -> int:
             continue
         if entry.is_dir(follow_symlinks=False):
             linked += link_tree(path, target / entry.name, leave_out)
-        else:
+            continue
+        try:
             os.link(path, target / entry.name, follow_symlinks=False)
-            linked += 1
+        except FileNotFoundError:
+            continue  # removed meanwhile (a lock file of a writer that just exited)
+        linked += 1
     return linked
 
 

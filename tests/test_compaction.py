@@ -22,6 +22,7 @@ from sinks.index_check import check_index
 from sinks.layout import SegmentKey, iter_segments, segments_by_partition, vectors_dir
 from sinks.segments import covered_through, quarantine, read_info
 from sinks.vectors_swap import fenced, read_consistently
+from tests import helpers
 from tests.test_faiss_index import Output
 
 Row = tuple[str, int, int]
@@ -238,19 +239,8 @@ def test_merged_files_are_read_fast_by_plain_readers(out: Output) -> None:
 def test_workers_compacting_as_they_run_keep_every_offset_once(
     broker, make_topic, group_id, tmp_path, tiny_model
 ):
-    from tests.helpers import (
-        committed_offsets,
-        corpus_records,
-        duplicates,
-        index_rows,
-        output_rows,
-        publish_json,
-        run_until_end,
-        start_worker,
-    )
-
     topic = make_topic(partitions=2)
-    publish_json(broker, topic, corpus_records(1600), partitions=2)
+    helpers.publish_json(broker, topic, helpers.corpus_records(1600), partitions=2)
     out = tmp_path / "out"
     common = (
         "--model",
@@ -266,26 +256,29 @@ def test_workers_compacting_as_they_run_keep_every_offset_once(
         "--compact-interval-s",
         "0.5",
     )
-    a = start_worker(broker, topic, group_id, out, *common, log=tmp_path / "a.log")
-    b = start_worker(broker, topic, group_id, out, *common, log=tmp_path / "b.log")
+    a = helpers.start_worker(broker, topic, group_id, out, *common, log=tmp_path / "a.log")
+    b = helpers.start_worker(broker, topic, group_id, out, *common, log=tmp_path / "b.log")
+
+    def rows_now() -> list[Row]:  # while workers compact: read again across an exchange
+        return read_consistently(out, lambda: helpers.output_rows(out))
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(output_rows(out)) < 600:
+    while time.monotonic() < deadline and len(rows_now()) < 600:
         time.sleep(0.5)
     b.send_signal(signal.SIGKILL)  # mid-run, maybe mid-compaction: a crash leaves debris
     b.wait(timeout=30)
-    # a plain reader meanwhile: never a doubled row
-    assert duplicates(output_rows(out)) == []
+    assert helpers.duplicates(rows_now()) == []
     a.send_signal(signal.SIGTERM)
     assert a.wait(timeout=120) == 0
 
-    result = run_until_end(broker, topic, group_id, out, *common, timeout=300)
+    result = helpers.run_until_end(broker, topic, group_id, out, *common, timeout=300)
 
     assert result.returncode == 0, result.stderr
-    rows = output_rows(out)
-    assert duplicates(rows) == []
+    rows = helpers.output_rows(out)
+    assert helpers.duplicates(rows) == []
     assert set(rows) == {(topic, p, o) for p in (0, 1) for o in range(800)}
-    assert sorted(index_rows(out)) == sorted(rows)
-    assert committed_offsets(broker, group_id, topic) == {0: 800, 1: 800}
+    assert sorted(helpers.index_rows(out)) == sorted(rows)
+    assert helpers.committed_offsets(broker, group_id, topic) == {0: 800, 1: 800}
     ranged = [s for s in iter_segments(out) if s.named_last is not None]
     assert ranged, "no compaction happened while the workers ran"
     assert len(list(iter_segments(out))) < 1600 // 8 / 2

@@ -257,7 +257,7 @@ def test_segment_of_only_bad_records_is_a_valid_empty_file(
 
 def test_discard_removes_the_temp_file(sink: ParquetSink, tmp_path: Path) -> None:
     staged = stage(sink, "t", 0, 0, 0, [0])
-    ParquetSink.discard(staged)
+    sink.discard(staged)
     assert not staged.tmp_path.exists()
     assert [p.name for p in vectors_dir(tmp_path).iterdir()] == [writers.WRITERS_DIR]
 
