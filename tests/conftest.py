@@ -1,5 +1,6 @@
 """Shared fixtures: the real broker (started once per test session), a fresh
-topic and consumer group per test, and the real default model (loaded once)."""
+topic and consumer group per test, the real default model (loaded once), and the
+local S3 server (scripts/dev-s3.sh, started once) with a fresh prefix per test."""
 
 from __future__ import annotations
 
@@ -64,3 +65,29 @@ def tiny_model() -> str:
         check=True,
     )
     return built.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> dict[str, str]:
+    """Starts scripts/dev-s3.sh once per session (idempotent) and returns what it
+    prints for a shell (PIPELINE_S3_ENDPOINT, AWS_ACCESS_KEY_ID, ...) plus the bucket
+    (PIPELINE_S3_BUCKET). Left running at the end, like the broker."""
+    script = str(REPO / "scripts" / "dev-s3.sh")
+    subprocess.run([script, "start"], check=True)
+    printed = subprocess.run([script, "env"], capture_output=True, text=True, check=True)
+    env = dict(
+        line.removeprefix("export ").split("=", 1)
+        for line in printed.stdout.splitlines()
+        if line.startswith("export ")
+    )
+    env["PIPELINE_S3_BUCKET"] = os.environ.get("PIPELINE_S3_BUCKET", "pipeline-test")
+    return env
+
+
+@pytest.fixture
+def s3_url(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh `s3://bucket/prefix` on the local server, with the endpoint and the
+    credentials in the environment (so subprocesses see them too)."""
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{s3_server['PIPELINE_S3_BUCKET']}/test-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,592 @@
+"""What the pipeline needs from an S3-compatible object store, and nothing more.
+
+`ObjectStore.from_url("s3://bucket/prefix")` gives a client rooted at `prefix`: every
+key below is relative to it, as paths are relative to a local `--output` directory.
+
+- `put_if_absent(key, data)`: create-if-absent, a PUT with `If-None-Match: *`. The
+  object-store twin of the hard link that publishes a local segment: of writers
+  racing for one key exactly one gets True; the others get False and the object
+  stays the winner's. AWS S3 answers an existing key with 412 PreconditionFailed,
+  and a write that raced another conditional operation on the key with 409
+  ConditionalRequestConflict, which says nothing about who won: that one is retried
+  until the store answers 200 or 412. SeaweedFS and MinIO answer 412.
+- `put`, `get`, `exists`, `delete`, `list(prefix, page_size=...)`.
+- `open_input(key)` and `pyarrow_filesystem()` / `pyarrow_path(key)`: the same
+  objects for pyarrow (`pq.read_table`, `pyarrow.dataset`), same endpoint and
+  credentials.
+- `check()` (bucket reachable and listable) and `verify_conditional_put()` (the
+  store really refuses a second create: one that ignores `If-None-Match` would
+  let two writers both "win").
+
+Configuration: the endpoint comes from the `endpoint` argument, else
+`PIPELINE_S3_ENDPOINT`, `AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, else AWS itself;
+credentials and region from the arguments or the standard AWS chain
+(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_PROFILE`,
+`AWS_REGION`, ...). `scripts/dev-s3.sh env` prints them for the local server.
+
+Uploads send no flexible checksum unless an operation requires one
+(`request_checksum_calculation="when_required"`): by default botocore frames
+bodies sent over HTTPS as `aws-chunked` with a trailing checksum, which some
+S3-compatible servers store as is. Integrity comes from a `Content-MD5` header
+instead, which every S3 implementation checks (400 BadDigest on a mismatch).
+
+Errors: a store that cannot be reached, refuses the credentials, or lacks the
+bucket raises `OutputError` with one actionable line, chained to botocore's error.
+A missing key is `FileNotFoundError` (as for a local file).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, Union
+from urllib.parse import urlsplit
+
+from pipeline.errors import ConfigError, OutputError
+
+if TYPE_CHECKING:
+    import pyarrow
+    import pyarrow.fs
+
+ENDPOINT_ENV_VARS = ("PIPELINE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+DEFAULT_REGION = "us-east-1"
+
+# Bytes, or a file: a path (pathlib.Path or any os.PathLike; a plain str is refused
+# as ambiguous) or a binary file object, read from its current position.
+Data = Union[bytes, bytearray, memoryview, "os.PathLike[str]", IO[bytes]]
+
+# A single PUT carries at most 5 GiB on AWS; segments are far smaller.
+_MAX_SINGLE_PUT = 5 * 1024**3
+_CHUNK = 1024 * 1024
+_ACCESS_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "AccountProblem",
+        "403",
+    }
+)
+
+
+class ObjectInfo(NamedTuple):
+    """One listed object: its key (relative to the store's prefix) and size in bytes."""
+
+    key: str
+    size: int
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """`s3://bucket/prefix`, split; `prefix` is empty or ends with one `/`."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, url: str) -> S3Url:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ConfigError(f"not an object-store URL: {url!r} (expected s3://bucket/prefix)")
+        if parts.query or parts.fragment:
+            raise ConfigError(f"object-store URL {url!r} must not have a query or fragment")
+        prefix = parts.path.strip("/")
+        if "//" in prefix:
+            raise ConfigError(f"object-store URL {url!r} has an empty path segment")
+        return cls(parts.netloc, f"{prefix}/" if prefix else "")
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def is_object_store_url(output: str | os.PathLike[str]) -> bool:
+    """Whether an `--output` value names an object store rather than a directory."""
+    return isinstance(output, str) and output.startswith("s3://")
+
+
+def endpoint_from_env() -> str | None:
+    for name in ENDPOINT_ENV_VARS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def _endpoint_url(endpoint: str | None) -> str | None:
+    """`http(s)://host[:port][/path]`, without a trailing slash; a bare host is https."""
+    endpoint = (endpoint or "").strip().rstrip("/")
+    if not endpoint:
+        return None
+    if "://" not in endpoint:
+        endpoint = f"https://{endpoint}"
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError as exc:
+        raise ConfigError(f"invalid S3 endpoint {endpoint!r}: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"invalid S3 endpoint {endpoint!r}: expected http(s)://host[:port]")
+    return endpoint
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+    except ImportError as exc:
+        raise ConfigError(
+            "s3:// outputs need boto3: install it with pip install 'embedding-pipeline[s3]'"
+        ) from exc
+    return boto3
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+class ObjectStore:
+    """A bucket and a key prefix on an S3-compatible store; thread-safe (one botocore
+    client, shared by threads, as botocore allows)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint: str | None = None,
+        region: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 3,
+        max_pool_connections: int = 32,
+        conflict_retries: int = 8,
+    ) -> None:
+        boto3 = _boto3()
+        from botocore.config import Config
+
+        prefix = prefix.strip("/")
+        self.bucket = bucket
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.endpoint = _endpoint_url(endpoint or endpoint_from_env())
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_attempts = max_attempts
+        self.conflict_retries = conflict_retries
+        try:
+            self._session = boto3.session.Session(
+                aws_access_key_id=access_key,
+                aws_secret_access_key=secret_key,
+                aws_session_token=session_token,
+                region_name=region,
+            )
+            session_region = self._session.region_name
+        except Exception as exc:  # e.g. AWS_PROFILE names no profile
+            if _is_botocore(exc):
+                raise ConfigError(f"cannot configure the S3 client: {_one_line(exc)}") from exc
+            raise
+        self.region = region or os.environ.get("AWS_REGION") or session_region or DEFAULT_REGION
+        config = Config(
+            region_name=self.region,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            max_pool_connections=max_pool_connections,
+            # No aws-chunked bodies with trailing checksums (see the module's doc).
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            # S3-compatible servers answer path-style requests (bucket in the path)
+            # whatever their DNS; AWS itself takes either.
+            s3={"addressing_style": "path" if self.endpoint else "auto"},
+        )
+        try:
+            self._client = self._session.client("s3", endpoint_url=self.endpoint, config=config)
+        except ValueError as exc:  # botocore: an endpoint URL it cannot use
+            raise ConfigError(f"invalid S3 endpoint {self.endpoint!r}: {_one_line(exc)}") from exc
+        self._bucket_checked = False
+        self._pyarrow_fs: pyarrow.fs.S3FileSystem | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> ObjectStore:
+        """`s3://bucket/prefix` (prefix optional); kwargs as for the constructor."""
+        parsed = S3Url.parse(url)
+        return cls(parsed.bucket, parsed.prefix, **kwargs)
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.url!r}, endpoint={self.endpoint!r})"
+
+    def full_key(self, key: str) -> str:
+        """The bucket key for `key` (relative to the prefix)."""
+        if not key or key.startswith("/") or key.endswith("/"):
+            raise ValueError(f"object key must be a non-empty relative name, not {key!r}")
+        return self.prefix + key
+
+    # -- writes ---------------------------------------------------------------
+
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        """Creates `key` with `data` unless it exists: True when this call created it,
+        False when the key already existed (its content is left as it was)."""
+        from botocore.exceptions import ClientError
+
+        full = self.full_key(key)
+        delay = 0.05
+        with _Body(data) as body:
+            for attempt in range(self.conflict_retries + 1):
+                try:
+                    self._client.put_object(
+                        Bucket=self.bucket,
+                        Key=full,
+                        Body=body.rewind(),
+                        ContentLength=body.size,
+                        ContentMD5=body.md5,
+                        IfNoneMatch="*",
+                    )
+                    return True
+                except ClientError as exc:
+                    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                    code = exc.response.get("Error", {}).get("Code", "")
+                    if status == 412 or code == "PreconditionFailed":
+                        return False
+                    if status == 501 or code == "NotImplemented":
+                        raise OutputError(
+                            f"the object store at {self._where()} does not support "
+                            f"conditional writes (If-None-Match), which exactly-once "
+                            f"output needs"
+                        ) from exc
+                    if (status == 409 or code == "ConditionalRequestConflict") and (
+                        attempt < self.conflict_retries
+                    ):
+                        # Raced another conditional operation on the key: no answer yet.
+                        time.sleep(delay * (1 + random.random()))
+                        delay = min(delay * 2, 2.0)
+                        continue
+                    raise self._error(exc, "create", full) from exc
+                except Exception as exc:
+                    if _is_botocore(exc):
+                        raise self._error(exc, "create", full) from exc
+                    raise
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def put(self, key: str, data: Data) -> None:
+        """Writes `key` (replacing any object there)."""
+        full = self.full_key(key)
+        try:
+            with _Body(data) as body:
+                self._client.put_object(
+                    Bucket=self.bucket,
+                    Key=full,
+                    Body=body.rewind(),
+                    ContentLength=body.size,
+                    ContentMD5=body.md5,
+                )
+        except Exception as exc:
+            if _is_botocore(exc):
+                raise self._error(exc, "write", full) from exc
+            raise
+
+    def delete(self, key: str) -> None:
+        """Deletes `key`; no error when it does not exist."""
+        full = self.full_key(key)
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=full)
+        except Exception as exc:
+            if _is_botocore(exc):
+                raise self._error(exc, "delete", full) from exc
+            raise
+
+    # -- reads ----------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        """The whole object; FileNotFoundError when there is none."""
+        full = self.full_key(key)
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=full)
+            with response["Body"] as stream:
+                return stream.read()
+        except Exception as exc:
+            if _is_not_found(exc):
+                raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
+            if _is_botocore(exc):
+                raise self._error(exc, "read", full) from exc
+            raise
+
+    def exists(self, key: str) -> bool:
+        full = self.full_key(key)
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=full)
+            return True
+        except Exception as exc:
+            if _is_not_found(exc):
+                # A HEAD has no body, so a missing bucket is a bare 404 as well.
+                self._ensure_bucket()
+                return False
+            if _is_botocore(exc):
+                raise self._error(exc, "look up", full) from exc
+            raise
+
+    def size(self, key: str) -> int:
+        """The object's size in bytes; FileNotFoundError when there is none."""
+        full = self.full_key(key)
+        try:
+            return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
+        except Exception as exc:
+            if _is_not_found(exc):
+                self._ensure_bucket()
+                raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
+            if _is_botocore(exc):
+                raise self._error(exc, "look up", full) from exc
+            raise
+
+    def list(self, prefix: str = "", *, page_size: int = 1000) -> Iterator[ObjectInfo]:
+        """Objects whose key (relative to the store's prefix) starts with `prefix`, in
+        key order, fetched `page_size` keys per request."""
+        if not 1 <= page_size <= 1000:
+            raise ValueError(f"page_size must be 1..1000, not {page_size}")
+        full_prefix = self.prefix + prefix
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": full_prefix,
+            "MaxKeys": page_size,
+        }
+        while True:
+            try:
+                page = self._client.list_objects_v2(**kwargs)
+            except Exception as exc:
+                if _is_botocore(exc):
+                    raise self._error(exc, "list", full_prefix) from exc
+                raise
+            for item in page.get("Contents", ()):
+                yield ObjectInfo(item["Key"][len(self.prefix) :], int(item["Size"]))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            kwargs["ContinuationToken"] = token
+
+    # -- checks ---------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raises OutputError unless the store answers, accepts the credentials and
+        holds the bucket (one small list request)."""
+        try:
+            self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+        except Exception as exc:
+            if _is_botocore(exc):
+                raise self._error(exc, "list", self.prefix) from exc
+            raise
+        self._bucket_checked = True
+
+    def verify_conditional_put(self) -> None:
+        """Raises OutputError unless a second create of one key is refused: a store
+        that ignores `If-None-Match` would let two writers of a segment both win."""
+        key = f"_probe/conditional-put-{os.getpid()}-{random.getrandbits(64):016x}"
+        try:
+            first = self.put_if_absent(key, b"1")
+            second = self.put_if_absent(key, b"2")
+            kept = self.get(key) if first and not second else b""
+        finally:
+            self.delete(key)
+        if not (first and not second and kept == b"1"):
+            raise OutputError(
+                f"the object store at {self._where()} ignores If-None-Match on PUT (a second "
+                f"create of one key succeeded): it cannot hold exactly-once output"
+            )
+
+    def _ensure_bucket(self) -> None:
+        if not self._bucket_checked:
+            self.check()
+
+    # -- pyarrow --------------------------------------------------------------
+
+    def pyarrow_filesystem(self) -> pyarrow.fs.S3FileSystem:
+        """A pyarrow S3FileSystem on the same endpoint, region and credentials (one per
+        store, made on first use). Paths on it are `bucket/key`: see pyarrow_path."""
+        with self._lock:
+            if self._pyarrow_fs is None:
+                self._pyarrow_fs = self._make_pyarrow_fs()
+            return self._pyarrow_fs
+
+    def pyarrow_path(self, key: str = "") -> str:
+        """`bucket/prefix/key` for pyarrow; with no key, the prefix itself (a dataset's
+        root: `pyarrow.dataset.dataset(store.pyarrow_path("vectors"), filesystem=...)`)."""
+        if not key:
+            return f"{self.bucket}/{self.prefix}".rstrip("/")
+        return f"{self.bucket}/{self.prefix}{key}".rstrip("/")
+
+    def open_input(self, key: str) -> pyarrow.NativeFile:
+        """A seekable pyarrow file on the object (ranged reads: a Parquet footer is read
+        without the rest); FileNotFoundError when there is none."""
+        full = self.full_key(key)
+        try:
+            return self.pyarrow_filesystem().open_input_file(f"{self.bucket}/{full}")
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
+        except OSError as exc:
+            raise OutputError(
+                f"cannot read {self._s3(full)} at {self._where()}: {_one_line(exc)}"
+            ) from exc
+
+    def _make_pyarrow_fs(self) -> pyarrow.fs.S3FileSystem:
+        from pyarrow import fs
+
+        kwargs: dict[str, Any] = {
+            "region": self.region,
+            "connect_timeout": self.connect_timeout,
+            "request_timeout": self.read_timeout,
+            "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=self.max_attempts),
+        }
+        credentials = self._session.get_credentials()
+        if credentials is not None:
+            frozen = credentials.get_frozen_credentials()
+            kwargs.update(access_key=frozen.access_key, secret_key=frozen.secret_key)
+            if frozen.token:
+                kwargs["session_token"] = frozen.token
+        if self.endpoint:
+            parts = urlsplit(self.endpoint)
+            kwargs.update(endpoint_override=parts.netloc + parts.path, scheme=parts.scheme)
+        try:
+            return fs.S3FileSystem(**kwargs)
+        except (OSError, ValueError) as exc:
+            raise OutputError(
+                f"pyarrow cannot open the object store at {self._where()}: {_one_line(exc)}"
+            ) from exc
+
+    # -- errors ---------------------------------------------------------------
+
+    def _where(self) -> str:
+        return self.endpoint or f"AWS S3 ({self.region})"
+
+    def _s3(self, full_key: str) -> str:
+        return f"s3://{self.bucket}/{full_key}"
+
+    def _error(self, exc: BaseException, action: str, full_key: str) -> OutputError:
+        """One actionable line for a botocore failure."""
+        from botocore.exceptions import (
+            ClientError,
+            HTTPClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+
+        target = self._s3(full_key)
+        where = self._where()
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return OutputError(
+                f"no credentials for the object store at {where}: set AWS_ACCESS_KEY_ID and "
+                f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+            )
+        if isinstance(exc, (BotoConnectionError, HTTPClientError)):
+            return OutputError(
+                f"the object store at {where} is unreachable ({action} {target}: "
+                f"{_one_line(exc)}); check PIPELINE_S3_ENDPOINT and that the server is up"
+            )
+        if isinstance(exc, ClientError):
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            message = _one_line(error.get("Message", "")) or f"HTTP {status}"
+            if code == "NoSuchBucket":
+                return OutputError(
+                    f"bucket {self.bucket!r} does not exist at {where}: create it or fix "
+                    f"the output URL ({self.url})"
+                )
+            if code in _ACCESS_CODES or status == 403:
+                return OutputError(
+                    f"access denied to {target} at {where} ({code or status}): check "
+                    f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy"
+                )
+            if code == "BadDigest":
+                return OutputError(
+                    f"the object store at {where} received {target} damaged (Content-MD5 "
+                    f"mismatch); retry, and check the network path if it recurs"
+                )
+            return OutputError(
+                f"cannot {action} {target} at {where}: {code or status} {message}".rstrip()
+            )
+        return OutputError(f"cannot {action} {target} at {where}: {_one_line(exc)}")
+
+
+def _is_botocore(exc: BaseException) -> bool:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return isinstance(exc, (BotoCoreError, ClientError))
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    from botocore.exceptions import ClientError
+
+    if not isinstance(exc, ClientError):
+        return False
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code in ("NoSuchKey", "404", "NotFound")
+
+
+class _Body:
+    """A PUT's body: its bytes or file, size and Content-MD5, from bytes, a path or a
+    seekable binary file (from its current position); `rewind()` before each attempt."""
+
+    def __init__(self, data: Data) -> None:
+        self._data = data
+        self._owned: IO[bytes] | None = None
+        self._bytes: bytes | None = None
+        self._stream: IO[bytes] | None = None
+        self._start = 0
+        self.size = 0
+        self.md5 = ""
+
+    def __enter__(self) -> _Body:
+        data = self._data
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            self._bytes = data if isinstance(data, bytes) else bytes(data)
+            self.size = len(self._bytes)
+            self.md5 = base64.b64encode(hashlib.md5(self._bytes).digest()).decode()
+            return self
+        if isinstance(data, str):
+            raise TypeError("pass bytes, a pathlib.Path or a binary file, not a str")
+        if isinstance(data, os.PathLike):
+            self._owned = self._stream = open(Path(data), "rb")  # closed in __exit__
+        elif hasattr(data, "read") and hasattr(data, "seek"):
+            self._stream = data
+        else:
+            raise TypeError(f"cannot upload a {type(data).__name__}")
+        stream = self._stream
+        self._start = stream.tell()
+        digest = hashlib.md5()
+        while chunk := stream.read(_CHUNK):
+            if isinstance(chunk, str):
+                raise TypeError("the file must be opened in binary mode")
+            digest.update(chunk)
+        self.size = stream.tell() - self._start
+        if self.size > _MAX_SINGLE_PUT:
+            raise OutputError(f"an object of {self.size} bytes is over the 5 GiB of one S3 PUT")
+        self.md5 = base64.b64encode(digest.digest()).decode()
+        return self
+
+    def rewind(self) -> bytes | IO[bytes]:
+        """The body for one attempt (a file is sought back to where it started)."""
+        if self._bytes is not None:
+            return self._bytes
+        assert self._stream is not None
+        self._stream.seek(self._start)
+        return self._stream
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._owned is not None:
+            self._owned.close()
