@@ -201,7 +201,7 @@ def search_side_by_side(size: int, work: Path, args: argparse.Namespace) -> dict
     queries = corpus.vectors(args.queries)
     truth: np.ndarray | None = None
     result: dict = {"indexed": size}
-    for index_type in ("flat", "ivf", "ivf-pq"):
+    for index_type in args.index_types.split(","):
         started = time.perf_counter()
         IndexStore(output, index_type=index_type).rebuild()
         build_s = time.perf_counter() - started
@@ -244,6 +244,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000, help="new vectors per sync")
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--queries", type=int, default=100)
+    parser.add_argument("--index-types", default="flat,ivf,ivf-pq", help="searched side by side")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)

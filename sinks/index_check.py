@@ -17,7 +17,9 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import IndexStateError
 from sinks.faiss_index import IndexStore, encode_id
+from sinks.index_shards import table_vectors
 from sinks.layout import segments_by_partition
+from sinks.trained_index import RECALL_QUERIES, ExactTopK, training_sample
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class IndexReport:
     extra: int  # ids with no covered Parquet row
     doubled: int  # ids present more than once
     uncovered_rows: int  # Parquet rows past the coverage: a worker's next sync adds them
+    measured_recall_at_10: float | None = None  # measured now, with --recall
 
     @property
     def ok(self) -> bool:
@@ -41,7 +44,10 @@ class IndexReport:
         return dict(asdict(self), ok=self.ok)
 
 
-def check_index(output: Path) -> IndexReport:
+def check_index(output: Path, recall: bool = False) -> IndexReport:
+    """The report; with `recall`, also recall@10 of the index as it is searched now
+    (trained shard and later flat shards together) against exact search over the
+    Parquet vectors, for RECALL_QUERIES queries drawn from them."""
     store = IndexStore(output)
     ids = store.ids()  # also checks every shard against index.json
     meta = store.meta_on_disk()
@@ -60,6 +66,34 @@ def check_index(output: Path) -> IndexReport:
         extra=int(np.setdiff1d(unique, expected, assume_unique=True).size),
         doubled=int((counts > 1).sum()),
         uncovered_rows=uncovered,
+        measured_recall_at_10=measure_recall(output, store) if recall else None,
+    )
+
+
+def measure_recall(output: Path, store: IndexStore, queries: int = RECALL_QUERIES) -> float:
+    """Recall@10 of the loaded index against exact search, streaming the Parquet files."""
+    segments = [s for parts in segments_by_partition(output).values() for s in parts]
+    sample, _ = training_sample(segments)
+    if not len(sample):
+        raise IndexStateError(f"no vectors under {output}/vectors to measure recall on")
+    rng = np.random.default_rng(1)
+    picked = sample[rng.choice(len(sample), min(queries, len(sample)), replace=False)]
+    exact = ExactTopK(picked)
+    meta = store.meta_on_disk()
+    assert meta is not None
+    for segment in segments:
+        table = pq.read_table(segment.path, columns=["offset", "embedding"])
+        topic_no = meta.topics.get(segment.key.topic)
+        if topic_no is None or not table.num_rows:
+            continue
+        offsets = table.column("offset").to_numpy().astype(np.int64)
+        exact.add(table_vectors(table), encode_id(topic_no, segment.key.partition, 0) | offsets)
+    store.load()
+    found = store.search(picked, 10)
+    ids = [{encode_id(meta.topics[h.topic], h.partition, h.offset) for h in hits} for hits in found]
+    truth = exact.ids()
+    return float(
+        np.mean([len(set(t.tolist()) & f) / len(t) for t, f in zip(truth, ids, strict=True)])
     )
 
 

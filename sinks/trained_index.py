@@ -31,27 +31,49 @@ _MIN_TRAIN = {"ivf": 64, IVF_PQ: 256}
 
 
 @dataclass
+class ExactTopK:
+    """The exact top-10 of some queries over vectors streamed by, never held."""
+
+    queries: np.ndarray
+    _best: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+
+    def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
+        scores = self.queries @ np.ascontiguousarray(vectors, dtype=np.float32).T
+        if not scores.shape[1]:
+            return
+        k = min(10, scores.shape[1])
+        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        self._best.append((np.take_along_axis(scores, top, 1), ids[top]))
+        if len(self._best) > 64:
+            self._best = [self._merged()]
+
+    def ids(self) -> np.ndarray:
+        return self._merged()[1]
+
+    def _merged(self) -> tuple[np.ndarray, np.ndarray]:
+        scores = np.concatenate([s for s, _ in self._best], axis=1)
+        ids = np.concatenate([i for _, i in self._best], axis=1)
+        k = min(10, scores.shape[1])
+        order = np.argsort(-scores, axis=1)[:, :k]
+        return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+
+
+@dataclass
 class TrainedBuilder:
     """One trained index holding every vector, and the exact top-10 of its queries."""
 
     index: Any
     kind: str
-    queries: np.ndarray
+    exact: ExactTopK
     directory: Path
     names: FileNames
     stats: SyncStats
-    _exact: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         ids = ids.astype(np.int64)
         self.index.add_with_ids(vectors, ids)
-        scores = self.queries @ vectors.T
-        k = min(10, scores.shape[1])
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        self._exact.append((np.take_along_axis(scores, top, 1), ids[top]))
-        if len(self._exact) > 64:
-            self._exact = [self._merged_exact()]
+        self.exact.add(vectors, ids)
 
     def finish(self) -> list[Shard]:
         name = f"{self.kind}-{self.names.generation:08d}.faiss"
@@ -60,20 +82,13 @@ class TrainedBuilder:
         return [Shard(name, int(self.index.ntotal), self.kind)]
 
     def recall_at_10(self) -> float:
-        exact = self._merged_exact()[1]
-        _, found = self.index.search(self.queries, exact.shape[1])
+        exact = self.exact.ids()
+        _, found = self.index.search(self.exact.queries, exact.shape[1])
         hits = [
             len(set(e.tolist()) & set(f.tolist())) / len(e)
             for e, f in zip(exact, found, strict=True)
         ]
         return float(np.mean(hits))
-
-    def _merged_exact(self) -> tuple[np.ndarray, np.ndarray]:
-        scores = np.concatenate([s for s, _ in self._exact], axis=1)
-        ids = np.concatenate([i for _, i in self._exact], axis=1)
-        k = min(10, scores.shape[1])
-        order = np.argsort(-scores, axis=1)[:, :k]
-        return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
 
 
 def trained_builder(
@@ -102,7 +117,7 @@ def trained_builder(
     ivf.nprobe = max(1, nlist // 16)
     rng = np.random.default_rng(0)
     queries = sample[rng.choice(len(sample), min(RECALL_QUERIES, len(sample)), replace=False)]
-    return TrainedBuilder(faiss.IndexIDMap2(ivf), kind, queries, directory, names, stats)
+    return TrainedBuilder(faiss.IndexIDMap2(ivf), kind, ExactTopK(queries), directory, names, stats)
 
 
 def training_sample(segments: list[SegmentFile]) -> tuple[np.ndarray, int]:

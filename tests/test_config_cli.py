@@ -282,3 +282,25 @@ def test_unknown_key_in_run_table_is_an_error(captured: list[WorkerConfig], tmp_
     result = invoke(["--config", str(path), *RUN])
     assert result.exit_code == ConfigError.exit_code
     assert "batch_sise" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["compact", "--output", "s3://bucket/prefix"],
+        ["run", "--topic", "t", "--group", "g", "--output", "s3://bucket/prefix"],
+        ["index", "check", "--output", "gs://bucket/x"],
+    ],
+)
+def test_object_store_outputs_are_refused_in_one_line_not_written_locally(
+    args: list[str], tmp_path, monkeypatch
+) -> None:
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 64
+    assert "not supported by this version yet" in result.output
+    assert not any(tmp_path.iterdir())  # no local folder named "s3:"

@@ -17,6 +17,7 @@ from pipeline.errors import IndexStateError
 from pipeline.records import GoodRecord, SourceRecord
 from sinks import faiss_index as faiss_mod
 from sinks.faiss_index import IndexStore, decode_id, encode_id
+from sinks.index_check import check_index
 from sinks.index_shards import MERGE_FANOUT, Shard, flat_file_bytes, next_merge
 from sinks.layout import INDEX_META_FILE, SegmentKey, index_dir, iter_segments, vectors_dir
 from sinks.parquet import ParquetSink, StagedFile
@@ -587,3 +588,17 @@ def test_index_check_fails_when_rows_and_ids_disagree(out: Output) -> None:
     code, report = run_check(out.root)
     assert code == 65
     assert report["extra"] == 10 and report["missing"] == 0 and not report["ok"]
+
+
+def test_index_check_measures_recall_of_a_trained_index_now(out: Output) -> None:
+    for first in range(0, 1200, 300):
+        out.segment("t", 0, first, first + 299)
+    IndexStore(out.root, index_type="ivf").rebuild()
+    out.segment("t", 0, 1200, 1239)
+    IndexStore(out.root).sync()
+    report = check_index(out.root, recall=True)
+    assert report.ok and report.measured_recall_at_10 is not None
+    assert 0.1 <= report.measured_recall_at_10 <= 1.0
+    flat = IndexStore(out.root)
+    flat.rebuild()
+    assert check_index(out.root, recall=True).measured_recall_at_10 == pytest.approx(1.0)
