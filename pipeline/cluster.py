@@ -19,14 +19,17 @@ one more retriable error here.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import kafka.errors as kerrors
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.net.compat import KafkaNetClient
+from kafka.structs import OffsetAndMetadata
 
 from pipeline.config import KafkaSettings
 from pipeline.errors import BrokerUnavailable, PipelineError, TopicMissing
@@ -294,6 +297,25 @@ def beginning_offsets(
     return _list_offsets(consumer.beginning_offsets, "beginning", kafka, partitions, deadline_s)
 
 
+def offsets_for_times(
+    consumer: KafkaConsumer,
+    kafka: KafkaSettings,
+    timestamps: Mapping[TopicPartition, int],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> dict[TopicPartition, int | None]:
+    """First offset whose record timestamp is at or after each time (ms); None past the last."""
+    if not timestamps:
+        return {}
+    found = retrying(
+        # A fresh dict on each try: kafka-python rewrites the one it is given.
+        lambda: consumer.offsets_for_times(dict(timestamps), timeout_ms=10_000),
+        "looking up offsets by time",
+        kafka,
+        deadline_s,
+    )
+    return {tp: None if hit is None else hit.offset for tp, hit in found.items()}
+
+
 def _list_offsets(
     lookup: Callable[..., dict[TopicPartition, int]],
     which: str,
@@ -309,3 +331,97 @@ def _list_offsets(
         kafka,
         deadline_s,
     )
+
+
+# --------------------------------------------------------------------------- groups
+
+# States in which a classic group has nobody to take its commits from: only then
+# may an outsider move its offsets (kafka-consumer-groups.sh --reset-offsets agrees).
+INACTIVE_GROUP_STATES = frozenset({"Empty", "Dead"})
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    client_id: str
+    host: str
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A group's state and live members; a group that does not exist is Dead."""
+
+    state: str
+    members: tuple[GroupMember, ...]
+
+    @property
+    def active(self) -> bool:
+        return bool(self.members) or self.state not in INACTIVE_GROUP_STATES
+
+
+def describe_group(
+    admin: KafkaAdminClient,
+    kafka: KafkaSettings,
+    group: str,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> GroupInfo:
+    """The group's state and members, retrying a coordinator that is loading or moving."""
+
+    def describe() -> GroupInfo:
+        info = admin.describe_groups([group]).get(group, {})
+        error = _group_error(info.get("error"))
+        if isinstance(error, kerrors.GroupIdNotFoundError):
+            return GroupInfo("Dead", ())
+        if error is not None:
+            raise error
+        members = tuple(
+            GroupMember(
+                client_id=str(m.get("client_id") or "?"),
+                host=str(m.get("client_host") or "?").lstrip("/"),  # brokers say "/10.0.0.5"
+            )
+            for m in info.get("members") or []
+        )
+        return GroupInfo(str(info.get("group_state") or "Unknown"), members)
+
+    return retrying(describe, f"describing group {group}", kafka, deadline_s)
+
+
+def _group_error(text: str | None) -> kerrors.KafkaError | None:
+    # kafka-python 3 reports a group's error as text ("[Error 69] GroupIdNotFoundError:
+    # ..."); its code gives the class back, so that `retrying` can tell what to retry.
+    if not text:
+        return None
+    code = re.match(r"\[Error (-?\d+)\]", text)
+    error_class = kerrors.for_code(int(code.group(1))) if code else kerrors.KafkaError
+    return error_class(text)
+
+
+def commit_group_offsets(
+    admin: KafkaAdminClient,
+    kafka: KafkaSettings,
+    group: str,
+    offsets: Mapping[TopicPartition, int],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> dict[TopicPartition, type[kerrors.KafkaError]]:
+    """Commits offsets for a group without joining it; returns the partitions refused.
+
+    The broker takes such a commit only while the group has no members (or does
+    not exist yet, which creates it). Retriable errors (the coordinator loading
+    or moving) are retried; what is left, e.g. UnknownMemberIdError because a
+    member joined, is returned for the caller to explain.
+    """
+    request = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()}
+
+    def commit() -> dict[TopicPartition, type[kerrors.KafkaError]]:
+        results = admin.alter_group_offsets(group, request)
+        refused = {tp: err for tp, err in results.items() if err is not kerrors.NoError}
+        # A topic deleted meanwhile is not worth a minute of retries: say so at once.
+        retriable = [
+            err
+            for err in refused.values()
+            if err.retriable and err is not kerrors.UnknownTopicOrPartitionError
+        ]
+        if retriable:
+            raise retriable[0]()
+        return refused
+
+    return retrying(commit, f"committing offsets of group {group}", kafka, deadline_s)
