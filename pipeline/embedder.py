@@ -2,7 +2,10 @@
 
 Pooling and normalisation follow the model's sentence-transformers configuration
 (modules.json, 1_Pooling/config.json). Weights are loaded from safetensors only
-and remote code is never trusted.
+and remote code is never trusted. BERT-family folders (bert, roberta, xlm-roberta)
+run on pipeline.bert's encoder and tokenizers' own tokenizer, without importing
+transformers (seconds of start-up); other models, or PIPELINE_ENCODER=transformers,
+run on transformers' AutoModel/AutoTokenizer.
 
 The hot path works on whole batches: the Rust tokenizer over a micro-batch (in
 chunks on several threads when it is large), numpy for sorting and padding, and
@@ -46,6 +49,11 @@ TOKENIZE_CHUNK = 512
 # reached this size (MiniLM passes from 342 tokens; a full one holds 12 MB): after
 # every pass of a tiny model, the trim cost more than the pass.
 TRIM_AFTER_BYTES = 2 << 20
+# Which implementation runs the model: "auto" (pipeline.bert for the BERT family,
+# transformers for the rest), "native" (pipeline.bert or a ModelError) or
+# "transformers" (to compare against, or to step around pipeline.bert).
+ENCODER_ENV = "PIPELINE_ENCODER"
+ENCODERS = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True)
@@ -216,6 +224,7 @@ class Embedder:
         self._tokenizer = tokenizer
         self._fast = tokenizer._tokenizer  # the Rust tokenizer: batch encode without padding
         self._model = model
+        self._native = _is_native(model)
         self.info = info
         self._activation_bytes_per_token = activation_bytes_per_token(model)
         budget, self.padding_target = pass_defaults(info.device, self._activation_bytes_per_token)
@@ -258,24 +267,18 @@ class Embedder:
         replicas: int = 1,
         threads_per_replica: int | None = None,
         tokenizer_threads: int | None = None,
+        encoder: str | None = None,
     ) -> Embedder:
+        """`encoder`: "auto" (pipeline.bert where it applies, else transformers),
+        "native" or "transformers"; None reads PIPELINE_ENCODER (default auto)."""
         import torch
-        from transformers import AutoModel, AutoTokenizer
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # one line per failure on stderr, not a bar per load
         name, path = resolve_model_path(model)
         device = pick_device(device)
         _check_precision(precision, device)
         pooling, normalize, max_seq = read_sentence_config(path)
         revision = weights_revision(path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-            net = AutoModel.from_pretrained(
-                str(path), use_safetensors=True, trust_remote_code=False
-            )
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot load model from {path}: {exc}") from exc
+        tokenizer, net = _load_network(path, _encoder_choice(encoder))
         if not getattr(tokenizer, "is_fast", False):
             raise ModelError(f"model {name} has no fast (Rust) tokenizer; tokenizer.json is needed")
         net.eval()
@@ -290,13 +293,14 @@ class Embedder:
             name, str(path), revision, dim, pooling, normalize, max_length, precision, device
         )
         log.info(
-            "model %s (%s) loaded: dim %d, %s, %s on %s",
+            "model %s (%s) loaded: dim %d, %s, %s on %s, %s",
             name,
             revision,
             dim,
             pooling,
             precision,
             device,
+            "native encoder" if _is_native(net) else "transformers",
         )
         torch.set_grad_enabled(False)
         return cls(
@@ -395,11 +399,72 @@ class Embedder:
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
             attention = attention.pin_memory().to("cuda", non_blocking=True)
         with torch.inference_mode():
-            hidden = self._model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+            if self._native:
+                # No mask at all where no row is padded (known here, on the host):
+                # attention then skips the masking work.
+                padded = any(len(r) < width for r in rows)
+                hidden = self._model(input_ids, attention if padded else None)
+            else:
+                hidden = self._model(input_ids=input_ids, attention_mask=attention)
+                hidden = hidden.last_hidden_state
             pooled = _pool(hidden.float(), attention, self.info.pooling)
             if self.info.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled.cpu().numpy()
+
+
+def _encoder_choice(encoder: str | None) -> str:
+    choice = encoder or os.environ.get(ENCODER_ENV) or "auto"
+    if choice not in ENCODERS:
+        raise ModelError(
+            f"{ENCODER_ENV}={choice!r} is not one of {', '.join(ENCODERS)} (default auto)"
+        )
+    return choice
+
+
+def _load_network(path: Path, encoder: str) -> tuple[Any, Any]:
+    """(tokenizer, model): pipeline.bert's where it runs the folder, else transformers'
+    (imported only then: its import is most of a start-up)."""
+    if encoder != "transformers":
+        native = _load_native(path, required=encoder == "native")
+        if native is not None:
+            return native
+    return _load_transformers(path)
+
+
+def _load_native(path: Path, required: bool) -> tuple[Any, Any] | None:
+    from pipeline import bert
+
+    try:
+        return bert.load(path)
+    except bert.Unsupported as why:
+        if required:
+            raise ModelError(f"{ENCODER_ENV}=native cannot run {path}: {why}") from why
+        # A supported type with damaged weights deserves a warning: transformers will
+        # load it, initialising what is missing at random (and say so).
+        level = logging.WARNING if isinstance(why, bert.Incomplete) else logging.INFO
+        log.log(level, "model %s: transformers' implementation, not the native one: %s", path, why)
+        return None
+    except Exception as exc:  # safetensors/tokenizers errors have their own classes
+        raise ModelError(f"cannot load model from {path}: {exc}") from exc
+
+
+def _load_transformers(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per failure on stderr, not a bar per load
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        net = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load model from {path}: {exc}") from exc
+    return tokenizer, net
+
+
+def _is_native(model: Any) -> bool:
+    """pipeline.bert's encoder (int8-quantised or not): returns the hidden state itself."""
+    return bool(getattr(model, "returns_hidden_state", False))
 
 
 def activation_bytes_per_token(model: Any) -> int:

@@ -13,8 +13,12 @@ One run, one fresh topic of short JSON records, side by side:
 The ratio pipe/bare is the share of Kafka's own speed the pipeline keeps; the target
 is at least 0.5. Rounds alternate (--repeat N) and the medians are compared.
 
+--encoders native,transformers runs the pipeline once per encoder in every round
+(PIPELINE_ENCODER, see pipeline.embedder), to compare pipeline.bert with
+transformers' BertModel side by side; the default runs it once, as configured.
+
     .venv/bin/python scripts/overhead.py [--records 50000] [--partitions 3] [--repeat 3]
-        [--bootstrap-servers 127.0.0.1:9092] [--json FILE]
+        [--encoders auto] [--bootstrap-servers 127.0.0.1:9092] [--json FILE]
 """
 
 from __future__ import annotations
@@ -91,7 +95,9 @@ def bare(kafka: KafkaSettings, topic: str, records: int) -> float:
     return seen / (time.perf_counter() - first)
 
 
-def pipe(kafka: KafkaSettings, topic: str, records: int, model: str, work: Path) -> dict:
+def pipe(
+    kafka: KafkaSettings, topic: str, records: int, model: str, work: Path, encoder: str
+) -> dict:
     group = f"overhead-{uuid.uuid4().hex[:8]}"
     command = [
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
@@ -100,6 +106,8 @@ def pipe(kafka: KafkaSettings, topic: str, records: int, model: str, work: Path)
         "--no-progress",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if encoder != "auto":
+        env["PIPELINE_ENCODER"] = encoder
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     if done.returncode != 0:
         raise SystemExit(f"overhead: pipeline run failed:\n{done.stderr[-3000:]}")
@@ -114,9 +122,15 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=50_000)
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--encoders",
+        default="auto",
+        help="comma-separated PIPELINE_ENCODER values, each run every round [auto]",
+    )
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    encoders = [e.strip() for e in args.encoders.split(",") if e.strip()]
     kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers)
     model = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "tiny_model.py")],
@@ -124,31 +138,43 @@ def main() -> int:
     ).stdout.strip()  # fmt: skip
     topic = publish(kafka, args.records, args.partitions)
     bares: list[float] = []
-    pipes: list[dict[str, Any]] = []
+    pipes: dict[str, list[dict[str, Any]]] = {encoder: [] for encoder in encoders}
     with tempfile.TemporaryDirectory(prefix="overhead-") as work:
         for n in range(args.repeat):
             bares.append(bare(kafka, topic, args.records))
-            pipes.append(pipe(kafka, topic, args.records, model, Path(work)))
-            print(
-                f"round {n + 1}: bare {bares[-1]:,.0f} records/s, pipeline "
-                f"{pipes[-1]['rate']:,.0f} records/s, start-up {pipes[-1]['startup_s']:.1f}s",
-                flush=True,
-            )
+            line = f"round {n + 1}: bare {bares[-1]:,.0f} records/s"
+            for encoder in encoders:
+                got = pipe(kafka, topic, args.records, model, Path(work), encoder)
+                pipes[encoder].append(got)
+                line += (
+                    f", pipeline{_label(encoder)} {got['rate']:,.0f} records/s, "
+                    f"start-up {got['startup_s']:.1f}s"
+                )
+            print(line, flush=True)
     bare_rate = statistics.median(bares)
-    pipe_rate = statistics.median(p["rate"] for p in pipes)
-    startup = statistics.median(p["startup_s"] for p in pipes)
-    print(
-        f"{args.records} records, {args.partitions} partitions: bare consume+parse "
-        f"{bare_rate:,.0f}/s, pipeline (tiny model) {pipe_rate:,.0f}/s, "
-        f"ratio {pipe_rate / bare_rate:.2f} (target >= 0.5); start-up to first record "
-        f"{startup:.1f}s (target <= 5)"
-    )
+    # The first encoder's figures stay at the top level, as before --encoders.
+    report: dict[str, Any] = {"bare": bares, "encoders": {}}
+    for encoder, runs in pipes.items():
+        pipe_rate = statistics.median(p["rate"] for p in runs)
+        startup = statistics.median(p["startup_s"] for p in runs)
+        print(
+            f"{args.records} records, {args.partitions} partitions: bare consume+parse "
+            f"{bare_rate:,.0f}/s, pipeline (tiny model{_label(encoder)}) {pipe_rate:,.0f}/s, "
+            f"ratio {pipe_rate / bare_rate:.2f} (target >= 0.5); start-up to first record "
+            f"{startup:.1f}s (target <= 5)"
+        )
+        report["encoders"][encoder] = {"pipeline": runs, "ratio": pipe_rate / bare_rate}
+        report.setdefault("pipeline", runs)
+        report.setdefault("ratio", pipe_rate / bare_rate)
     if args.json:
-        report = {"bare": bares, "pipeline": pipes, "ratio": pipe_rate / bare_rate}
         args.json.write_text(json.dumps(report, indent=2))
     with cluster.admin_client(kafka) as admin:
         admin.delete_topics([topic])
     return 0
+
+
+def _label(encoder: str) -> str:
+    return "" if encoder == "auto" else f", {encoder}"
 
 
 if __name__ == "__main__":
