@@ -72,6 +72,7 @@ from sinks.layout import (
     SegmentFile,
     TopicPartitionKey,
     index_dir,
+    iter_segments,
     segments_by_partition,
 )
 from sinks.parquet import fsync_dir, output_error
@@ -189,7 +190,7 @@ class IndexStore:
             sink: VectorSink = (
                 FlatShardWriter(self.directory, names, self.shard_cap or sys.maxsize, stats)
                 if self.index_type == FLAT
-                else trained_builder(self.index_type, self._all_segments(), *shared)
+                else trained_builder(self.index_type, list(iter_segments(self.output)), *shared)
             )
             stats.added = self._add_new_segments(sink, self.index_type)
             if self._meta is None:
@@ -201,9 +202,6 @@ class IndexStore:
         stats.seconds = time.perf_counter() - started
         self.last_sync = stats
         return self._meta.count
-
-    def _all_segments(self) -> list[SegmentFile]:
-        return [s for parts in segments_by_partition(self.output).values() for s in parts]
 
     def _merge_cap(self, dim: int) -> int:
         return self.shard_cap if self.shard_cap is not None else cap_vectors(dim)
@@ -409,19 +407,21 @@ class IndexStore:
             index.add_with_ids(vectors, ids)
         return index
 
-    def meta_on_disk(self) -> IndexMeta | None:
-        """The saved metadata, checked against its files (for status and checks)."""
-        with self._locked():
-            return self._read_meta()
-
     def ids(self) -> np.ndarray:
         """Every id in the saved index, read from its files (for checks and status)."""
+        return self.snapshot()[1]
+
+    def snapshot(self) -> tuple[IndexMeta | None, np.ndarray, int]:
+        """The saved metadata, every id and the files' bytes, of one generation."""
         with self._locked():
             meta = self._read_meta()
             if meta is None:
-                return np.empty(0, dtype=np.int64)
-            parts = [ids_of(read_index_file(self.directory / s.file, s.count)) for s in meta.shards]
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+                return None, np.empty(0, dtype=np.int64), 0
+            files = [(self.directory / s.file, s.count) for s in meta.shards]
+            parts = [ids_of(read_index_file(path, count)) for path, count in files]
+            size = sum(path.stat().st_size for path, _ in files)
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return meta, ids, size
 
     @property
     def ntotal(self) -> int:

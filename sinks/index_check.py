@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.errors import IndexStateError
-from sinks.faiss_index import IndexStore, encode_id
+from sinks.faiss_index import IndexMeta, IndexStore, encode_id
 from sinks.index_shards import table_vectors
-from sinks.layout import segments_by_partition
+from sinks.layout import iter_segments, segments_by_partition
 from sinks.trained_index import RECALL_QUERIES, ExactTopK, training_sample
 
 
@@ -49,8 +49,7 @@ def check_index(output: Path, recall: bool = False) -> IndexReport:
     (trained shard and later flat shards together) against exact search over the
     Parquet vectors, for RECALL_QUERIES queries drawn from them."""
     store = IndexStore(output)
-    ids = store.ids()  # also checks every shard against index.json
-    meta = store.meta_on_disk()
+    meta, ids, size = store.snapshot()  # one generation; checks every shard against index.json
     if meta is None:
         raise IndexStateError(f"no index in {store.directory}; run: pipeline index rebuild")
     unique, counts = np.unique(ids, return_counts=True)
@@ -59,28 +58,28 @@ def check_index(output: Path, recall: bool = False) -> IndexReport:
         index_type=meta.index_type,
         vectors=len(ids),
         shards=len(meta.shards),
-        bytes=sum((store.directory / s.file).stat().st_size for s in meta.shards),
+        bytes=size,
         generation=meta.generation,
         recall_at_10=meta.recall_at_10,
         missing=int(np.setdiff1d(expected, unique, assume_unique=True).size),
         extra=int(np.setdiff1d(unique, expected, assume_unique=True).size),
         doubled=int((counts > 1).sum()),
         uncovered_rows=uncovered,
-        measured_recall_at_10=measure_recall(output, store) if recall else None,
+        measured_recall_at_10=measure_recall(output, store, meta) if recall else None,
     )
 
 
-def measure_recall(output: Path, store: IndexStore, queries: int = RECALL_QUERIES) -> float:
+def measure_recall(
+    output: Path, store: IndexStore, meta: IndexMeta, queries: int = RECALL_QUERIES
+) -> float:
     """Recall@10 of the loaded index against exact search, streaming the Parquet files."""
-    segments = [s for parts in segments_by_partition(output).values() for s in parts]
+    segments = list(iter_segments(output))
     sample, _ = training_sample(segments)
     if not len(sample):
         raise IndexStateError(f"no vectors under {output}/vectors to measure recall on")
     rng = np.random.default_rng(1)
     picked = sample[rng.choice(len(sample), min(queries, len(sample)), replace=False)]
     exact = ExactTopK(picked)
-    meta = store.meta_on_disk()
-    assert meta is not None
     for segment in segments:
         table = pq.read_table(segment.path, columns=["offset", "embedding"])
         topic_no = meta.topics.get(segment.key.topic)
@@ -112,8 +111,6 @@ def _covered_row_ids(
             offsets_np = offsets.to_numpy().astype(np.int64)
             inside = offsets_np[offsets_np <= through]
             uncovered += len(offsets_np) - len(inside)
-            if len(inside) and topic in topics:
+            if len(inside):  # a covered partition's topic has a number
                 parts.append(encode_id(topics[topic], partition, 0) | inside)
-            elif len(inside):
-                uncovered += len(inside)  # a topic the index has never seen
     return np.unique(np.concatenate(parts)), uncovered
