@@ -24,6 +24,7 @@ import numpy as np
 from consumers.committer import PublishedBatch
 from consumers.partitions import Ownership
 from pipeline.batcher import MicroBatch, TopicPartitionKey
+from pipeline.cache import EmbeddingCache, embed_cached
 from pipeline.embedder import Embedder, EmbedStats
 from pipeline.errors import PipelineError
 from pipeline.host import release_free_memory
@@ -94,28 +95,40 @@ class EmbedStage(Stage):
         stop: threading.Event,
         embedder: Embedder,
         metrics: WorkerMetrics,
+        cache: EmbeddingCache | None = None,
     ) -> None:
         super().__init__("embed", inbox, stop)
         self.outbox = outbox
         self.embedder = embedder
         self.metrics = metrics
+        self.cache = cache
 
     def handle(self, item: object) -> None:
         assert isinstance(item, MicroBatch)
-        vectors, stats = self.embedder.embed_tokens(item.tokenized())
+        tokens = item.tokenized()
+        cached = ""
+        if self.cache is None:
+            vectors, stats = self.embedder.embed_tokens(tokens)
+        else:
+            # Only the texts the cache lacks reach the model, each distinct one once.
+            texts = [g.text for g in item.good]
+            vectors, stats, found = embed_cached(self.embedder, self.cache, texts, tokens)
+            cached = f", {found.hits} from the cache"
         release_free_memory()
         log.debug(
-            "batch %d: %d records embedded in %.3fs (%d passes, padding efficiency %.3f)",
+            "batch %d: %d records embedded in %.3fs (%d passes, padding efficiency %.3f%s)",
             item.number,
             len(item.good),
             stats.seconds,
             stats.forward_passes,
             stats.padding_efficiency,
+            cached,
         )
         if item.good:
             self.metrics.embed_seconds.observe(stats.seconds)
-            self.metrics.padding_efficiency.set(stats.padding_efficiency)
-            self.metrics.batch_tokens.observe(stats.real_tokens)
+            if stats.forward_passes:
+                self.metrics.padding_efficiency.set(stats.padding_efficiency)
+            self.metrics.batch_tokens.observe(tokens.total_tokens)
         self.put(self.outbox, EmbeddedBatch(item, vectors, stats))
 
 

@@ -32,6 +32,7 @@ from consumers.partitions import Applied, Listener, Ownership, Reader
 from consumers.stages import CompactStage, EmbedStage, Stage, WriteStage
 from pipeline import cluster
 from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
+from pipeline.cache import EmbeddingCache, open_cache
 from pipeline.config import WorkerConfig
 from pipeline.embedder import Embedder
 from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
@@ -70,6 +71,7 @@ class RunSummary:
         self.started = time.monotonic()
         self.first_record_at: float | None = None
         self.last_commit_at: float | None = None
+        self.cache: str | None = None  # the embedding cache's figures, when it is on
 
     @property
     def seconds(self) -> float:
@@ -88,6 +90,7 @@ class RunSummary:
             f"{self.records} records ({self.rows} embedded, {self.dead_lettered} dead-lettered) "
             f"in {self.batches} batches, {busy:.1f}s, {rate:,.0f} records/s "
             f"(first record to last commit; {self.seconds:.1f}s in all)"
+            + (f"; cache: {self.cache}" if self.cache else "")
         )
 
 
@@ -135,6 +138,7 @@ class Worker:
         self._last_commit_try = 0.0
         self._end_checks_failing_since: float | None = None
         self._admin: Any = None
+        self.cache: EmbeddingCache | None = None  # opened with the model (pipeline.cache)
         # The revoke wait runs on kafka-python's IO thread and holds up heartbeats:
         # with a heartbeat due every third of the session timeout, a wait of another
         # third keeps the session alive, and well inside the rebalance timeout.
@@ -196,6 +200,7 @@ class Worker:
         # Before anything is consumed: one output holds one model's vectors.
         check_output_model(self.config.output, self.embedder.info, str(self.config.output))
         self.parquet = ParquetSink(self.config.output, self.embedder.info)
+        self.cache = open_cache(self.config, self.embedder.info, self.metrics)
 
     def _preflight(self) -> dict[TopicPartition, int]:
         """Checks the cluster and the output before the group is joined; returns the commits."""
@@ -290,7 +295,7 @@ class Worker:
 
     def _start_stages(self) -> None:
         embed = EmbedStage(
-            self._embed_q, self._write_q, self._stop_stages, self.embedder, self.metrics
+            self._embed_q, self._write_q, self._stop_stages, self.embedder, self.metrics, self.cache
         )
         write = WriteStage(
             self._write_q,
@@ -695,6 +700,9 @@ class Worker:
             except Exception as exc:  # closing is best effort: outputs are already safe
                 log.warning("closing the consumer: %s", exc)
         self.dead_letter.close()
+        if self.cache is not None:
+            self.cache.close()
+            self.summary.cache = self.cache.stats.summary(self.cache.remote is not None)
         if self._progress is not None:
             self._progress.close()
         if not any(stage.error for stage in self._stages):

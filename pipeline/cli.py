@@ -394,6 +394,19 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     default=None,
     help="CPU threads per replica [default: the usable cores the replicas leave, shared].",
 )
+@_run_option(
+    "--cache",
+    help="Embedding cache by content: off, lru (in-process), or redis://HOST:PORT/DB "
+    "(shared by workers and runs; the LRU stays in front).",
+)
+@_run_option("--cache-size", help="In-process cache bound: entries (50000) or bytes (32MiB).")
+@env_option(
+    "--cache-ttl-s",
+    type=float,
+    default=None,
+    help="Expiry of vectors written to Redis [default: none; the server's eviction].",
+)
+@_run_option("--cache-timeout-ms", type=int, help="Redis socket timeouts (no retries).")
 @click.pass_obj
 def run(kafka: KafkaSettings, topic: tuple[str, ...], **options: Any) -> None:
     """Consume, embed and write records until stopped (or to the end with --until-end)."""

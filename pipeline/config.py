@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ SHAPES = ("bucketed", "exact")
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 _SECRET_FIELDS = frozenset({"sasl_plain_password", "ssl_password"})
+_URL_FIELDS = frozenset({"cache"})  # URLs whose password is redacted
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,13 @@ class WorkerConfig:
     # Model replicas and threads per replica; None: from the usable CPUs (pipeline.host).
     replicas: int | None = None
     torch_threads: int | None = None
+    # The embedding cache by content (pipeline.cache): "off", "lru" (in-process), or
+    # a Redis URL shared by workers and runs (the LRU stays in front). Size: entries
+    # ("50000") or bytes ("32MiB"); the TTL and timeouts are the Redis tier's.
+    cache: str = "lru"
+    cache_size: str = "32MiB"
+    cache_ttl_s: float | None = None
+    cache_timeout_ms: int = 500
 
     def __post_init__(self) -> None:
         if not self.topics:
@@ -186,6 +195,13 @@ class WorkerConfig:
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port")
         if self.text_field == self.id_field:
             raise ConfigError("--text-field and --id-field must differ")
+        from pipeline.cache import check_cache_spec, parse_cache_size
+
+        check_cache_spec(self.cache)
+        parse_cache_size(self.cache_size)
+        _check_positive("cache timeout (ms)", self.cache_timeout_ms)
+        if self.cache_ttl_s is not None:
+            _check_positive("cache TTL (s)", self.cache_ttl_s)
 
     @property
     def dead_letter_topic(self) -> str:
@@ -204,7 +220,13 @@ class WorkerConfig:
 def redact(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {
-            k: ("***" if k in _SECRET_FIELDS and v is not None else redact(v))
+            k: (
+                "***"
+                if k in _SECRET_FIELDS and v is not None
+                else redact_url(v)
+                if k in _URL_FIELDS and isinstance(v, str)
+                else redact(v)
+            )
             for k, v in value.items()
         }
     if isinstance(value, Path):
@@ -212,6 +234,23 @@ def redact(value: Any) -> Any:
     if isinstance(value, tuple | list):
         return [redact(v) for v in value]
     return value
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password (if any) replaced: redis://user:***@host:6379/0."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest = re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", rest)  # redis://h?password=x
+    # Hosts and paths hold no "@": the last one before the query ends the userinfo,
+    # whatever a raw password holds ("/" included).
+    head, q, query = rest.partition("?")
+    userinfo, at, location = head.rpartition("@")
+    if not at:
+        return f"{scheme}://{rest}"
+    user, colon, _ = userinfo.partition(":")
+    # A bare userinfo (redis://secret@host) is a password to some clients: hidden too.
+    return f"{scheme}://{user + ':' if colon else ''}***@{location}{q}{query}"
 
 
 def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -101,6 +101,35 @@ class WorkerMetrics:
         self.index_vectors = Gauge(
             "pipeline_index_vectors", "Vectors in the FAISS index after the last sync", registry=r
         )
+        # The embedding cache by content (pipeline.cache).
+        self.cache_hits = Counter(
+            "pipeline_cache_hits",
+            "Records whose vector was not computed, by where it came from "
+            "(batch: a repeat within the batch; lru; redis)",
+            ["tier"],
+            registry=r,
+        )
+        self.cache_misses = Counter(
+            "pipeline_cache_misses", "Records the cache lacked (embedded by the model)", registry=r
+        )
+        self.cache_errors = Counter(
+            "pipeline_cache_errors",
+            "Failed calls to the shared cache, by operation (get, put, ping): the batch was "
+            "embedded without it",
+            ["op"],
+            registry=r,
+        )
+        self.cache_remote_up = Gauge(
+            "pipeline_cache_remote_up",
+            "1 while the shared cache answers, 0 after a failed call (until one succeeds)",
+            registry=r,
+        )
+        self.cache_entries = Gauge(
+            "pipeline_cache_entries", "Vectors held by the in-process cache", registry=r
+        )
+        self.cache_bytes = Gauge(
+            "pipeline_cache_bytes", "Bytes held by the in-process cache (estimated)", registry=r
+        )
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

@@ -8,6 +8,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 scripts/setup.sh
+# The embedding cache's shared tier; its tests skip (saying why) if it cannot start.
+scripts/dev-redis.sh start || echo "test.sh: no local Redis; the redis tests will be skipped" >&2
 .venv/bin/ruff check pipeline consumers sinks scripts tests
 # Offline by design: the model comes from site-packages, never from a hub.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -104,6 +104,22 @@ def s3_server() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """Starts scripts/dev-redis.sh once per session (idempotent) and returns its URL
+    (PIPELINE_TEST_REDIS_URL: another server). Skips, saying why, only when the
+    script cannot start one (no redis-server and no Debian package to unpack)."""
+    if os.environ.get("PIPELINE_TEST_REDIS_URL"):
+        return os.environ["PIPELINE_TEST_REDIS_URL"]
+    script = str(REPO / "scripts" / "dev-redis.sh")
+    started = subprocess.run([script, "start"], capture_output=True, text=True)
+    if started.returncode != 0:
+        why = (started.stderr.strip().splitlines() or ["scripts/dev-redis.sh start failed"])[-1]
+        pytest.skip(f"no local Redis: {why}")
+    url = subprocess.run([script, "url"], capture_output=True, text=True, check=True)
+    return url.stdout.strip()
+
+
 @pytest.fixture
 def s3_url(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh `s3://bucket/prefix` on the local server, with the endpoint and the
