@@ -32,6 +32,7 @@ Revocation and publication exclude each other through `Ownership.lock`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kafka import TopicPartition
@@ -59,10 +60,18 @@ class PublishedBatch:
 class OffsetCommitter:
     """Commits published offsets; runs on the consumer's thread only."""
 
-    def __init__(self, consumer: object, ownership: Ownership, timeout_ms: int = 10_000) -> None:
+    def __init__(
+        self,
+        consumer: object,
+        ownership: Ownership,
+        timeout_ms: int = 10_000,
+        metadata: Callable[[TopicPartitionKey], str] | None = None,
+    ) -> None:
         self._consumer = consumer
         self._ownership = ownership
         self._timeout_ms = timeout_ms
+        # The committed offset's metadata per partition (consumers.tiers: its tier).
+        self._metadata = metadata
         self._pending: dict[TopicPartitionKey, tuple[int, int]] = {}
         self.committed: dict[TopicPartitionKey, int] = {}
         self.failures = 0
@@ -94,7 +103,8 @@ class OffsetCommitter:
         with self._ownership.lock:
             for key, (offset, epoch) in list(self._pending.items()):
                 if self._ownership.owns(key, epoch):
-                    offsets[TopicPartition(*key)] = OffsetAndMetadata(offset, "", -1)
+                    meta = "" if self._metadata is None else self._metadata(key)
+                    offsets[TopicPartition(*key)] = OffsetAndMetadata(offset, meta, -1)
                 else:
                     del self._pending[key]  # the next owner starts from the outputs
         if not offsets:

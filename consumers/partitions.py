@@ -402,9 +402,15 @@ class Reader:
         keeps the pause flag of a partition that survives a rebalance, so a
         remembered set of our own would drift from it.
         """
+        return self.pause_only(set(self.consumer.assignment()) if paused else set())
+
+    def pause_only(self, partitions: set[TopicPartition]) -> int:
+        """Pauses exactly these of the assigned partitions and resumes the others;
+        returns how many are paused. Reconciled like `set_paused` (consumers.tiers
+        pauses one tier and not the other)."""
         assigned = set(self.consumer.assignment())
         actual = set(self.consumer.paused()) & assigned
-        wanted = assigned if paused else set()
+        wanted = partitions & assigned
         if wanted - actual:
             self.consumer.pause(*(wanted - actual))
         if actual - wanted:

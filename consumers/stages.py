@@ -88,6 +88,9 @@ class Stage(threading.Thread):
 
 
 class EmbedStage(Stage):
+    # Told (records, seconds) of each batch embedded: consumers.tiers sizes backfill by it.
+    on_embedded: Callable[[int, float], None] | None = None
+
     def __init__(
         self,
         inbox: queue.Queue,
@@ -129,6 +132,8 @@ class EmbedStage(Stage):
             if stats.forward_passes:
                 self.metrics.padding_efficiency.set(stats.padding_efficiency)
             self.metrics.batch_tokens.observe(tokens.total_tokens)
+        if item.good and self.on_embedded is not None:
+            self.on_embedded(len(item.good), stats.seconds)
         self.put(self.outbox, EmbeddedBatch(item, vectors, stats))
 
 

@@ -30,6 +30,16 @@ from consumers import repair
 from consumers.committer import OffsetCommitter, PublishedBatch
 from consumers.partitions import Applied, Listener, Ownership, Reader
 from consumers.stages import CompactStage, EmbedStage, Stage, WriteStage
+from consumers.tiers import (
+    BACKFILL,
+    NEARLINE,
+    TieredBatcher,
+    TierQueue,
+    Tiers,
+    batch_is_backfill,
+    fetch_lag,
+    unpark_resumed,
+)
 from pipeline import cluster
 from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from pipeline.cache import EmbeddingCache, open_cache
@@ -113,7 +123,7 @@ class Worker:
         self.ownership = Ownership()
         self.in_flight = self.ownership.in_flight
         self.parser = RecordParser(config.text_field, config.id_field, config.max_text_bytes)
-        self.batcher = Batcher(
+        self.batcher: Batcher | TieredBatcher = Batcher(
             config.batch_size,
             config.max_batch_tokens,
             config.poll_timeout_ms / 1000,
@@ -128,6 +138,16 @@ class Worker:
         self._embed_q: queue.Queue[MicroBatch] = queue.Queue(maxsize=config.max_in_flight + 1)
         self._write_q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._done_q: queue.Queue[PublishedBatch] = queue.Queue()
+        # Priority tiers (consumers.tiers): nearline topics first, backfill topics after.
+        self._tiers: Tiers | None = None
+        self._poll_records: int | None = None  # a poll's record cap while backfill is read
+        if config.backfill_topics:
+            self._tiers = Tiers(
+                config.backfill_topics, config.backfill_batch_ms / 1000, config.batch_size
+            )
+            self.batcher = TieredBatcher.around(self._tiers, self.batcher)
+            # Nearline batches go first; one more may be out (see _tier_pauses).
+            self._embed_q = TierQueue(config.max_in_flight + 2, batch_is_backfill(self._tiers))
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
         self._committer: OffsetCommitter | None = None
@@ -181,7 +201,11 @@ class Worker:
             self.config.kafka,
             on_quarantine=self.metrics.quarantined.inc,
         )
-        self._committer = OffsetCommitter(self._consumer, self.ownership)
+        self._committer = OffsetCommitter(
+            self._consumer,
+            self.ownership,
+            metadata=None if self._tiers is None else self._tiers.commit_metadata,
+        )
         self._start_stages()
         try:
             self._loop()
@@ -310,6 +334,8 @@ class Worker:
             alive=self._heard_by_group,
         )
         self._stages = [embed, write]
+        if self._tiers is not None:
+            embed.on_embedded = self._tiers.rate.add  # sizes backfill batches
         if self.config.compact_interval_s > 0:
             self._stages.append(
                 CompactStage(
@@ -348,7 +374,9 @@ class Worker:
                     log.info("first record polled %.1fs after process start", process_age_s())
                 self._ingest(polled)
             self._cover_skipped_offsets()
-            if self.batcher.is_open and self._caught_up(empty_poll=not polled, timeout=timeout):
+            if self._tiers is not None:
+                self._close_caught_up_tiers(empty_poll=not polled, timeout=timeout)
+            elif self.batcher.is_open and self._caught_up(empty_poll=not polled, timeout=timeout):
                 # The open batch holds all there is to read for now: waiting for
                 # it to fill would only add latency.
                 batch = self.batcher.flush(CloseReason.CAUGHT_UP)
@@ -370,7 +398,7 @@ class Worker:
     def _poll(self, timeout_ms: int) -> dict[Any, list[Any]]:
         assert self._consumer is not None
         try:
-            return self._consumer.poll(timeout_ms=timeout_ms)
+            return self._consumer.poll(timeout_ms=timeout_ms, max_records=self._poll_records)
         except kerrors.NoOffsetForPartitionError:
             return {}  # assigned during this poll; _apply_rebalance() seeks it next
         except kerrors.OffsetOutOfRangeError as exc:
@@ -384,7 +412,9 @@ class Worker:
                 return {}
             raise PipelineError(f"consuming {', '.join(self.config.topics)} failed: {exc}") from exc
 
-    def _caught_up(self, empty_poll: bool, timeout: int) -> bool:
+    def _caught_up(
+        self, empty_poll: bool, timeout: int, only: set[TopicPartition] | None = None
+    ) -> bool:
         """Whether every partition read here has nothing more to fetch right now.
 
         Either a full-length poll came back empty, or each partition's position
@@ -392,11 +422,11 @@ class Worker:
         Paused partitions may hold more, so nothing is caught up while any is.
         """
         assert self._consumer is not None
-        if self._consumer.paused():
-            return False
+        if self._consumer.paused() if only is None else self._consumer.paused() & only:
+            return False  # with `only` (one tier's partitions), those alone count
         if empty_poll:
             return timeout >= _POLL_TICK_MS
-        assignment = self._consumer.assignment()
+        assignment = self._consumer.assignment() if only is None else only
         if not assignment:
             return False
         for tp in assignment:
@@ -476,8 +506,59 @@ class Worker:
 
     def _flow_control(self) -> None:
         assert self._reader is not None
+        if self._tiers is not None:
+            self.metrics.paused.set(self._tier_pauses())
+            return
         full = len(self.in_flight) >= self.config.max_in_flight
         self.metrics.paused.set(self._reader.set_paused(full))
+
+    def _tier_pauses(self) -> int:
+        """With --backfill-topic: backfill waits while nearline has lag (with
+        hysteresis, consumers.tiers) or at --max-in-flight batches out; nearline
+        pauses at one more. Reconciled with the consumer's own paused set before
+        every poll, so the pauses hold on whatever a rebalance assigned."""
+        assert self._consumer is not None and self._reader is not None
+        assert self._tiers is not None and isinstance(self.batcher, TieredBatcher)
+        nearline, backfill = self._tiers.split(self._consumer.assignment())
+        lag = fetch_lag(self._consumer, nearline)
+        pauses_before = self._tiers.pauses
+        waiting = self._tiers.observe(lag)
+        out = len(self.in_flight)
+        wanted: set[TopicPartition] = set()
+        if waiting or out >= self.config.max_in_flight:
+            wanted |= backfill
+        if out > self.config.max_in_flight:
+            wanted |= nearline
+        paused = self._reader.pause_only(wanted)
+        unpark_resumed(self._consumer)
+        # Backfill batches (and polls while backfill is read) hold about
+        # --backfill-batch-ms of embedding, unless no nearline partition is ours.
+        records = self._tiers.backfill_records() if nearline else self.config.batch_size
+        self.batcher.backfill.max_records = records
+        self._poll_records = records if backfill - wanted else None
+        m = self.metrics
+        m.nearline_lag.set(lag)
+        m.backfill_waiting.set(int(waiting))
+        m.backfill_pauses.inc(self._tiers.pauses - pauses_before)
+        m.backfill_batch_records.set(records)
+        for tier, owned in ((NEARLINE, nearline), (BACKFILL, backfill)):
+            m.tier_partitions.labels(tier, "paused").set(len(owned & wanted))
+            m.tier_partitions.labels(tier, "reading").set(len(owned - wanted))
+        return paused
+
+    def _close_caught_up_tiers(self, empty_poll: bool, timeout: int) -> None:
+        """Each tier's open batch closes once that tier's partitions are caught up."""
+        assert self._consumer is not None and self._tiers is not None
+        assert isinstance(self.batcher, TieredBatcher)
+        nearline, backfill = self._tiers.split(self._consumer.assignment())
+        for batcher, owned in (
+            (self.batcher.nearline, nearline),
+            (self.batcher.backfill, backfill),
+        ):
+            if batcher.is_open and self._caught_up(empty_poll, timeout, only=owned):
+                batch = batcher.flush(CloseReason.CAUGHT_UP)
+                assert batch is not None
+                self._hand_off(batch)
 
     def _collect_published(self) -> None:
         assert self._committer is not None
@@ -595,8 +676,9 @@ class Worker:
             )
             # The open batch must not stretch its range over the deleted offsets.
             batch = self.batcher.flush(CloseReason.SHUTDOWN)
-            if batch is not None:
+            while batch is not None:  # with tiers, one open batch per tier
                 self._hand_off(batch)
+                batch = self.batcher.flush(CloseReason.SHUTDOWN)
             self._reader.restart_at(key, beginnings[tp])
             self.batcher.start(key, beginnings[tp])
 
@@ -662,8 +744,9 @@ class Worker:
     def _drain(self, timeout_s: float) -> None:
         """Hands off the open batch and waits (bounded) for everything to be committed."""
         batch = self.batcher.flush(CloseReason.SHUTDOWN)
-        if batch is not None:
+        while batch is not None:  # with tiers, one open batch per tier
             self._hand_off(batch)
+            batch = self.batcher.flush(CloseReason.SHUTDOWN)
         deadline = time.monotonic() + timeout_s
         assert self._consumer is not None and self._reader is not None
         while len(self.in_flight) or not self._done_q.empty():

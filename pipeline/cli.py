@@ -359,6 +359,18 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     help="Start partitions this output holds nothing of at the group's committed offsets "
     "(a fresh --output for an existing --group).",
 )
+@env_option(
+    "--backfill-topic",
+    "backfill_topic",
+    multiple=True,
+    help="Lower-priority input topic (repeatable), same group: read only while the --topic "
+    "ones have no lag.",
+)
+@_run_option(
+    "--backfill-batch-ms",
+    type=int,
+    help="With --backfill-topic: backfill batches close at about this much embedding.",
+)
 @_run_option("--max-poll-interval-ms", type=int)
 @_run_option("--session-timeout-ms", type=int)
 @_run_option("--index-sync-interval-s", type=float)
@@ -408,9 +420,19 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 )
 @_run_option("--cache-timeout-ms", type=int, help="Redis socket timeouts (no retries).")
 @click.pass_obj
-def run(kafka: KafkaSettings, topic: tuple[str, ...], **options: Any) -> None:
+def run(
+    kafka: KafkaSettings, topic: tuple[str, ...], backfill_topic: tuple[str, ...], **options: Any
+) -> None:
     """Consume, embed and write records until stopped (or to the end with --until-end)."""
-    config = WorkerConfig(topics=tuple(topic), kafka=kafka, **options)
+    both = sorted(set(topic) & set(backfill_topic))
+    if both:
+        raise ConfigError(f"{', '.join(both)}: a topic is either --topic or --backfill-topic")
+    config = WorkerConfig(
+        topics=tuple(topic) + tuple(backfill_topic),
+        backfill_topics=tuple(backfill_topic),
+        kafka=kafka,
+        **options,
+    )
     _run_worker(config)
 
 

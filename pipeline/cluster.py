@@ -264,6 +264,17 @@ def group_offsets(
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> dict[TopicPartition, int]:
     """Committed offsets of a group (partitions without a commit are absent)."""
+    return {tp: meta.offset for tp, meta in group_commits(admin, kafka, group, deadline_s).items()}
+
+
+def group_commits(
+    admin: KafkaAdminClient,
+    kafka: KafkaSettings,
+    group: str,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> dict[TopicPartition, Any]:
+    """Committed offsets of a group with their metadata (OffsetAndMetadata), the same
+    partitions as `group_offsets`."""
     result: dict[str, dict[TopicPartition, Any]] = retrying(
         lambda: admin.list_group_offsets({group: None}),
         f"reading committed offsets of group {group}",
@@ -271,7 +282,7 @@ def group_offsets(
         deadline_s,
     )
     return {
-        tp: meta.offset
+        tp: meta
         for tp, meta in result.get(group, {}).items()
         if meta.offset is not None and meta.offset >= 0
     }

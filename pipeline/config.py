@@ -129,6 +129,11 @@ class WorkerConfig:
     # offsets (by default that is refused: it would silently leave out every
     # record before them).
     from_committed: bool = False
+    # Priority tiers (consumers.tiers): the topics, among `topics`, that are read only
+    # while the others (nearline) have no lag; their batches close at about this many
+    # milliseconds of embedding, which bounds the backfill work ahead of a nearline record.
+    backfill_topics: tuple[str, ...] = ()
+    backfill_batch_ms: int = 1000
     max_poll_interval_ms: int = 300_000
     session_timeout_ms: int = 45_000
     # How long a revocation waits for in-flight batches; it blocks kafka-python's IO thread.
@@ -162,6 +167,12 @@ class WorkerConfig:
             raise ConfigError("give at least one --topic")
         for topic in self.topics:
             _check_topic_name(topic)
+        unknown = [t for t in self.backfill_topics if t not in self.topics]
+        if unknown:
+            raise ConfigError(f"backfill topic(s) {', '.join(unknown)} are not among the topics")
+        if self.backfill_topics and set(self.topics) <= set(self.backfill_topics):
+            raise ConfigError("give at least one --topic besides the --backfill-topic ones")
+        _check_positive("backfill batch (ms)", self.backfill_batch_ms)
         if not self.group.strip():
             raise ConfigError("--group must not be empty")
         _check_positive("batch size", self.batch_size)

@@ -130,6 +130,31 @@ class WorkerMetrics:
         self.cache_bytes = Gauge(
             "pipeline_cache_bytes", "Bytes held by the in-process cache (estimated)", registry=r
         )
+        # Priority tiers (consumers.tiers), with --backfill-topic.
+        self.backfill_waiting = Gauge(
+            "pipeline_backfill_waiting",
+            "1 while the backfill partitions wait for nearline lag to clear",
+            registry=r,
+        )
+        self.backfill_pauses = Counter(
+            "pipeline_backfill_pauses", "Times backfill started waiting for nearline", registry=r
+        )
+        self.nearline_lag = Gauge(
+            "pipeline_nearline_lag",
+            "Nearline records fetched or fetchable but not yet taken (high watermark - position)",
+            registry=r,
+        )
+        self.tier_partitions = Gauge(
+            "pipeline_tier_partitions",
+            "Partitions this worker owns, by tier and whether they are paused",
+            ["tier", "state"],
+            registry=r,
+        )
+        self.backfill_batch_records = Gauge(
+            "pipeline_backfill_batch_records",
+            "Records per backfill batch now (about --backfill-batch-ms of embedding)",
+            registry=r,
+        )
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

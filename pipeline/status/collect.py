@@ -17,6 +17,7 @@ from pipeline.errors import ConfigError
 from pipeline.status import kafka_reads as reads
 from pipeline.status.history import Key, StatusHistory
 from pipeline.status.outputs import PartitionOutput, output_facts
+from pipeline.status.tiers import apply_tiers
 from pipeline.status.verdicts import (
     IDLE_STATES,
     MISMATCH,
@@ -54,7 +55,7 @@ def collect_status(
     deadline = reads.Deadline(timeout_s)
     warnings: list[str] = []
     with reads.open_admin(kafka) as admin:
-        committed = reads.committed_offsets(admin, kafka, group, deadline)
+        committed, tiers = reads.committed_and_tiers(admin, kafka, group, deadline)
         names = resolve_topics(group, topics, committed)
         dead_topic = dlq_topic or f"{names[0]}.dlq"
         partitions = reads.partitions_of(admin, kafka, [*names, dead_topic], deadline)
@@ -95,6 +96,7 @@ def collect_status(
         )
         for key in keys
     ]
+    apply_tiers(rows, tiers)
     return _group_summary(
         group, names, rows, group_info, dead_letter, history, sampled_at, output, warnings
     )

@@ -75,6 +75,22 @@ def committed_offsets(
     return {(tp.topic, tp.partition): offset for tp, offset in found.items()}
 
 
+def committed_and_tiers(
+    admin: KafkaAdminClient, kafka: KafkaSettings, group: str, deadline: Deadline
+) -> tuple[dict[Key, int], dict[Key, str]]:
+    """Committed offsets, and the tier (consumers.tiers) each commit's metadata names."""
+    from consumers.tiers import tier_from_metadata
+
+    found = cluster.group_commits(admin, kafka, group, deadline.left())
+    offsets = {(tp.topic, tp.partition): meta.offset for tp, meta in found.items()}
+    tiers = {}
+    for tp, meta in found.items():
+        tier = tier_from_metadata(getattr(meta, "metadata", None))
+        if tier is not None:
+            tiers[(tp.topic, tp.partition)] = tier
+    return offsets, tiers
+
+
 def partitions_of(
     admin: KafkaAdminClient, kafka: KafkaSettings, topics: Sequence[str], deadline: Deadline
 ) -> dict[str, list[int] | None]:

@@ -15,6 +15,10 @@ def render_table(status: Mapping[str, Any]) -> str:
     if with_output:
         columns += ["ROWS", "INDEX", "MISMATCH"]
     table = [columns] + [_cells(row, with_output) for row in status["partitions"]]
+    if any(row.get("tier") for row in status["partitions"]):  # pipeline run --backfill-topic
+        table[0].append("TIER")
+        for cells, row in zip(table[1:], status["partitions"], strict=True):
+            cells.append(_tier_cell(row))
     lines.extend(align(table, right={1, 2, 3, 4, 5, 8, 9}))
     lines.extend(f"warning: {w}" for w in status.get("warnings", []))
     return "\n".join(lines)
@@ -54,6 +58,11 @@ def _cells(row: Mapping[str, Any], with_output: bool) -> list[str]:
         mismatch = row.get("mismatch") or ""
         cells += [_dash(row.get("rows")), _dash(row.get("index_entries")), mismatch]
     return cells
+
+
+def _tier_cell(row: Mapping[str, Any]) -> str:
+    tier = row.get("tier") or "-"
+    return f"{tier} (waits for nearline)" if row.get("waiting") else tier
 
 
 def _dash(value: Any) -> str:

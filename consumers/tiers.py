@@ -1,0 +1,339 @@
+"""Priority tiers: one worker serves nearline topics before backfill topics.
+
+`pipeline run --topic live --backfill-topic corpus` subscribes the group to both
+and serves `live` first. Four things make a nearline record wait for little
+backfill work, and none of them touches the commit protocol (offsets still
+commit only past durable outputs, and every assignment still starts where the
+outputs end):
+
+- **Backfill waits while nearline has lag.** The lag is read from the consumer's
+  own state, with no request: per assigned nearline partition, the high watermark
+  its last fetch returned minus its position (records fetched, or fetchable, but
+  not taken yet). At `pause_at` records the backfill partitions are paused
+  (`consumer.pause`); they resume once the lag has stayed at zero for
+  `resume_after_s` (hysteresis: a trickle of nearline records does not flap them,
+  and backfill never starves while nearline keeps up). The wanted pauses are
+  reconciled against the consumer's own paused set on every turn of the poll loop
+  and right after each rebalance (`Reader.pause_only`): newly assigned backfill
+  partitions wait too, revoked ones are forgotten, and kafka-python keeps what it
+  had already fetched of a paused partition for when it resumes.
+- **Backfill batches are short.** A backfill batch closes at about
+  `--backfill-batch-ms` of embedding (records/s measured on the worker's own
+  batches, `EmbedRate`), and a poll takes no more records than one such batch
+  while any backfill partition is fetchable; so the backfill work ahead of a
+  nearline record is at most the batch being embedded.
+- **Nearline batches go first** in the embed queue (`TierQueue`); batches never
+  mix tiers (`TieredBatcher`), and a partition has one tier, so each partition's
+  batches still reach the writer in order.
+- **Nearline keeps fetching** until one batch more than `--max-in-flight` is out;
+  backfill pauses at `--max-in-flight`.
+
+Tiers are per worker: in a group, the assignor may leave one worker with
+backfill partitions only, and that worker runs them at full speed. The tier of
+each partition rides on its committed offset's metadata (`tier=nearline`,
+`tier=backfill`), which `pipeline status` shows.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+
+from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
+from pipeline.records import BadRecord, GoodRecord
+
+log = logging.getLogger(__name__)
+
+NEARLINE = "nearline"
+BACKFILL = "backfill"
+TIERS = (NEARLINE, BACKFILL)
+_METADATA_PREFIX = "tier="
+
+# Backfill pauses at this much nearline lag (records) ...
+PAUSE_AT = 1
+# ... and resumes once the lag has stayed at zero this long.
+RESUME_AFTER_S = 1.0
+# Backfill batch size before the embed rate is known, and its floor after.
+INITIAL_BACKFILL_RECORDS = 64
+MIN_BACKFILL_RECORDS = 16
+
+
+def commit_metadata(tier: str) -> str:
+    """The committed offset's metadata that names a partition's tier."""
+    return f"{_METADATA_PREFIX}{tier}"
+
+
+def tier_from_metadata(metadata: str | None) -> str | None:
+    """The tier a committed offset's metadata names; None when it names none."""
+    if metadata and metadata.startswith(_METADATA_PREFIX):
+        tier = metadata[len(_METADATA_PREFIX) :]
+        return tier if tier in TIERS else None
+    return None
+
+
+class EmbedRate:
+    """Records per second through the embed stage, over recent batches.
+
+    A ratio of decayed sums (records, seconds), so that a batch weighs by its
+    size: a one-record nearline batch barely moves it. One thread adds (the
+    embed stage), another reads (the poll loop).
+    """
+
+    def __init__(self, decay: float = 0.7) -> None:
+        self.decay = decay
+        self._records = 0.0
+        self._seconds = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, records: int, seconds: float) -> None:
+        if records <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._records = self._records * self.decay + records
+            self._seconds = self._seconds * self.decay + seconds
+
+    def records_per_s(self) -> float | None:
+        with self._lock:
+            return self._records / self._seconds if self._seconds > 0 else None
+
+
+class Tiers:
+    """Which partitions are backfill, and whether backfill waits (with hysteresis)."""
+
+    def __init__(
+        self,
+        backfill_topics: Iterable[str],
+        batch_budget_s: float,
+        max_records: int,
+        *,
+        pause_at: int = PAUSE_AT,
+        resume_after_s: float = RESUME_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backfill_topics = frozenset(backfill_topics)
+        self.batch_budget_s = batch_budget_s
+        self.max_records = max_records
+        self.pause_at = max(1, pause_at)
+        self.resume_after_s = resume_after_s
+        self.rate = EmbedRate()
+        self._clock = clock
+        self.waiting = False  # backfill waits for nearline
+        self.pauses = 0  # how many times it started waiting
+        self._waiting_since = 0.0
+        self._lag_zero_since: float | None = None
+
+    # -- tiers of partitions ----------------------------------------------------------
+
+    def tier_of(self, key: TopicPartitionKey | TopicPartition) -> str:
+        topic = key.topic if isinstance(key, TopicPartition) else key[0]
+        return BACKFILL if topic in self.backfill_topics else NEARLINE
+
+    def is_backfill(self, key: TopicPartitionKey | TopicPartition) -> bool:
+        return self.tier_of(key) == BACKFILL
+
+    def commit_metadata(self, key: TopicPartitionKey) -> str:
+        return commit_metadata(self.tier_of(key))
+
+    def split(self, partitions: Iterable[TopicPartition]) -> tuple[set[Any], set[Any]]:
+        """(nearline, backfill) partitions."""
+        nearline: set[TopicPartition] = set()
+        backfill: set[TopicPartition] = set()
+        for tp in partitions:
+            (backfill if self.is_backfill(tp) else nearline).add(tp)
+        return nearline, backfill
+
+    # -- the pause decision -----------------------------------------------------------
+
+    def observe(self, nearline_lag: int) -> bool:
+        """Takes the current nearline lag; returns whether backfill waits now."""
+        now = self._clock()
+        if nearline_lag >= self.pause_at:
+            self._lag_zero_since = None
+            if not self.waiting:
+                self.waiting = True
+                self.pauses += 1
+                self._waiting_since = now
+                log.info("backfill waits: nearline lag %d", nearline_lag)
+            return True
+        if nearline_lag > 0:
+            self._lag_zero_since = None  # below the threshold, not yet caught up
+            return self.waiting
+        if self._lag_zero_since is None:
+            self._lag_zero_since = now
+        if self.waiting and now - self._lag_zero_since >= self.resume_after_s:
+            self.waiting = False
+            log.info(
+                "backfill resumes: nearline caught up (it waited %.1fs)", now - self._waiting_since
+            )
+        return self.waiting
+
+    # -- backfill batch size ----------------------------------------------------------
+
+    def backfill_records(self) -> int:
+        """Records per backfill batch: about `batch_budget_s` of embedding."""
+        rate = self.rate.records_per_s()
+        if rate is None:
+            return min(INITIAL_BACKFILL_RECORDS, self.max_records)
+        return max(MIN_BACKFILL_RECORDS, min(self.max_records, int(rate * self.batch_budget_s)))
+
+
+def fetch_lag(consumer: KafkaConsumer, partitions: Iterable[TopicPartition]) -> int:
+    """Records fetched or fetchable but not yet taken: high watermark minus position,
+    summed, from the consumer's own state (no request). Partitions not fetched yet
+    (no high watermark) count zero."""
+    lag = 0
+    for tp in partitions:
+        try:
+            highwater = consumer.highwater(tp)
+            if highwater is None:
+                continue
+            position = consumer.position(tp, timeout_ms=0)
+        except Exception:  # unassigned meanwhile, or no position yet
+            continue
+        if position is not None and highwater > position:
+            lag += highwater - position
+    return lag
+
+
+def unpark_resumed(consumer: KafkaConsumer) -> bool:
+    """Works around kafka-python 3.0's port of KAFKA-7548; True when it acted.
+
+    Records fetched for a partition that is then paused are parked, and given
+    back once it resumes, but only when the fetcher's in-line slot is empty
+    (None). A drained slot is never emptied, and a partition with parked records
+    is not fetched either: pausing one tier and not the other (the whole point
+    here) could leave a resumed backfill partition unread for good. Emptying a
+    drained slot is what the fetcher does itself when it parks the slot's
+    partition. Without these internals (another client version) it does nothing.
+    """
+    fetcher = getattr(consumer, "_fetcher", None)
+    if not getattr(fetcher, "_paused_partition_records", None):
+        return False
+    slot = getattr(fetcher, "_next_partition_records", None)
+    if slot is None or slot:  # empty already, or records still to hand out
+        return False
+    fetcher._next_partition_records = None  # type: ignore[union-attr]
+    return True
+
+
+class TierQueue(queue.Queue):
+    """The embed stage's inbox: nearline batches before backfill ones, each tier FIFO.
+
+    A partition has one tier and a batch one tier, so every partition's batches
+    still leave in the order they came.
+    """
+
+    def __init__(self, maxsize: int, is_backfill: Callable[[Any], bool]) -> None:
+        self._is_backfill = is_backfill
+        super().__init__(maxsize)
+
+    def _init(self, maxsize: int) -> None:
+        self._first: collections.deque[Any] = collections.deque()
+        self._later: collections.deque[Any] = collections.deque()
+
+    def _qsize(self) -> int:
+        return len(self._first) + len(self._later)
+
+    def _put(self, item: Any) -> None:
+        (self._later if self._is_backfill(item) else self._first).append(item)
+
+    def _get(self) -> Any:
+        return self._first.popleft() if self._first else self._later.popleft()
+
+
+def batch_is_backfill(tiers: Tiers) -> Callable[[Any], bool]:
+    def is_backfill(batch: Any) -> bool:
+        ranges = getattr(batch, "ranges", None) or {}
+        return any(tiers.is_backfill(key) for key in ranges)
+
+    return is_backfill
+
+
+class TieredBatcher:
+    """Two batchers, one per tier, behind the Batcher interface the worker uses.
+
+    Batches never mix tiers. `flush()` closes one open batch per call (nearline
+    first), so callers that must close everything call it until it returns None.
+    """
+
+    def __init__(
+        self, tiers: Tiers, make: Callable[[], Batcher], nearline: Batcher | None = None
+    ) -> None:
+        self.tiers = tiers
+        self.nearline = make() if nearline is None else nearline
+        self.backfill = make()
+
+    @classmethod
+    def around(cls, tiers: Tiers, batcher: Batcher) -> TieredBatcher:
+        """`batcher` for nearline, and one with the same limits for backfill."""
+        return cls(
+            tiers,
+            lambda: Batcher(
+                batcher.max_records,
+                batcher.max_tokens,
+                batcher.max_wait_s,
+                clock=getattr(batcher, "_clock", time.monotonic),
+                max_bytes=batcher.max_bytes,
+            ),
+            nearline=batcher,
+        )
+
+    def of(self, key: TopicPartitionKey) -> Batcher:
+        return self.backfill if self.tiers.is_backfill(key) else self.nearline
+
+    def by_tier(self) -> list[tuple[str, Batcher]]:
+        return [(NEARLINE, self.nearline), (BACKFILL, self.backfill)]
+
+    @property
+    def pending(self) -> int:
+        return self.nearline.pending + self.backfill.pending
+
+    @property
+    def is_open(self) -> bool:
+        return self.nearline.is_open or self.backfill.is_open
+
+    def start(self, key: TopicPartitionKey, offset: int) -> None:
+        self.of(key).start(key, offset)
+
+    def advance(self, key: TopicPartitionKey, offset: int, epoch: int) -> None:
+        self.of(key).advance(key, offset, epoch)
+
+    def add(
+        self,
+        parsed: Iterable[tuple[GoodRecord | BadRecord, list[int] | None]],
+        epoch_of: Callable[[TopicPartitionKey], int],
+    ) -> list[MicroBatch]:
+        nearline: list[tuple[GoodRecord | BadRecord, list[int] | None]] = []
+        backfill: list[tuple[GoodRecord | BadRecord, list[int] | None]] = []
+        for pair in parsed:
+            source = pair[0].source
+            (backfill if source.topic in self.tiers.backfill_topics else nearline).append(pair)
+        closed = self.nearline.add(nearline, epoch_of) if nearline else []
+        if backfill:
+            closed += self.backfill.add(backfill, epoch_of)
+        return closed
+
+    def due(self) -> MicroBatch | None:
+        # `is None`, not `or`: a batch may cover offsets and hold no record (len 0).
+        batch = self.nearline.due()
+        return self.backfill.due() if batch is None else batch
+
+    def seconds_until_due(self) -> float | None:
+        waits = [b.seconds_until_due() for b in (self.nearline, self.backfill)]
+        known = [w for w in waits if w is not None]
+        return min(known) if known else None
+
+    def flush(self, reason: CloseReason) -> MicroBatch | None:
+        batch = self.nearline.flush(reason)
+        return self.backfill.flush(reason) if batch is None else batch
+
+    def drop(self, partitions: set[TopicPartitionKey]) -> None:
+        self.nearline.drop(partitions)
+        self.backfill.drop(partitions)
