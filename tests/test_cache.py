@@ -73,6 +73,7 @@ def test_fingerprint_covers_every_identity_item_but_the_device() -> None:
         {"normalize": False},
         {"max_length": 256},
         {"precision": "bf16"},
+        {"document_prompt": "passage: "},
     ]:
         assert model_fingerprint(dataclasses.replace(INFO, **change)) != base, change
     # Items added to the metadata later (a prompt) count without a change in the cache.
