@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import kafka.errors as kerrors
@@ -30,7 +31,14 @@ from pipeline.config import KafkaSettings, WorkerConfig
 from pipeline.embedder import Embedder
 from pipeline.host import call_on_fresh_thread
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
-from sinks.layout import SegmentKey, TopicPartitionKey, segments_by_partition
+from sinks.layout import (
+    SegmentFile,
+    SegmentKey,
+    TopicPartitionKey,
+    describe,
+    is_local,
+    segments_by_partition,
+)
 from sinks.parquet import ParquetSink
 from sinks.segments import (
     DamagedSegment,
@@ -44,6 +52,7 @@ from sinks.segments import (
 log = logging.getLogger(__name__)
 
 _READ_DEADLINE_S = 120.0
+_FOOTER_THREADS = 16
 
 
 @dataclass
@@ -81,17 +90,30 @@ def quarantine_damaged(config: WorkerConfig) -> int:
     that the index still has but the outputs no longer do, and only reading its
     range again from Kafka mends that. A footer read is the file's last few KiB.
     """
+    segments = [
+        segment
+        for partition in segments_by_partition(config.output, config.topics).values()
+        for segment in partition
+    ]
+    # An object store answers each footer in a round trip: ask many at once.
+    threads = 1 if is_local(config.output) else _FOOTER_THREADS
+    with ThreadPoolExecutor(threads, thread_name_prefix="footers") as pool:
+        found = list(pool.map(_damage, segments))
     moved = 0
-    for segments in segments_by_partition(config.output, config.topics).values():
-        for segment in segments:
-            try:
-                read_info(segment)
-            except FileNotFoundError:
-                continue  # moved aside by another worker starting together
-            except DamagedSegment as damaged:
-                if quarantine(config.output, segment, damaged.reason) is not None:
-                    moved += 1
+    for damaged in found:
+        if damaged is not None and quarantine(config.output, damaged.segment, damaged.reason):
+            moved += 1
     return moved
+
+
+def _damage(segment: SegmentFile) -> DamagedSegment | None:
+    try:
+        read_info(segment)
+    except FileNotFoundError:
+        return None  # moved aside by another worker starting together
+    except DamagedSegment as damaged:
+        return damaged
+    return None
 
 
 def _repair(
@@ -103,7 +125,7 @@ def _repair(
     committed: dict[TopicPartitionKey, int],
 ) -> str:
     key = SegmentKey(note.topic, note.partition, note.first)
-    if (sink.directory / key.filename).exists() or _covered(config, note):
+    if sink.exists(key) or _covered(config, note):
         return _close(config, note, "repaired")  # its range was written again meanwhile
     last = _range_end(config, note, committed)
     if last is None:
@@ -115,14 +137,14 @@ def _repair(
             log.error(
                 "damaged segment %s held %s[%d] offsets %d..%d, which Kafka no longer retains "
                 "(the partition now starts at %d): those records are lost from the output; "
-                "restore the file from a backup into %s to recover them",
+                "restore the file from a backup into %s/vectors to recover them",
                 note.file,
                 note.topic,
                 note.partition,
                 note.first,
                 last,
                 beginning,
-                sink.directory,
+                describe(config.output),
             )
             return _close(config, note, "lost")
         sources = read_range(reader, config.kafka, tp, note.first, last)

@@ -53,7 +53,7 @@ from pipeline.progress import Progress
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
-from sinks.layout import segments_by_partition
+from sinks.layout import is_local, segments_by_partition
 from sinks.parquet import ParquetSink
 from sinks.segments import pending_notes
 
@@ -336,7 +336,9 @@ class Worker:
         self._stages = [embed, write]
         if self._tiers is not None:
             embed.on_embedded = self._tiers.rate.add  # sizes backfill batches
-        if self.config.compact_interval_s > 0:
+        if self.config.compact_interval_s > 0 and not is_local(self.config.output):
+            log.info("compaction: off, as the output is on an object store (not supported yet)")
+        elif self.config.compact_interval_s > 0:
             self._stages.append(
                 CompactStage(
                     self.config.output,

@@ -44,21 +44,24 @@ F = Callable[..., Any]
 
 
 class OutputPath(click.Path):
-    """A local output directory. Object-store URLs are in the contract, not yet here:
-    refused in one line rather than turned into a local folder named `s3:`."""
+    """A local output directory, or `s3://bucket/prefix` on an S3-compatible store
+    (sinks.objectstore: endpoint and credentials from the environment). Any other
+    URL is refused in one line rather than turned into a local folder named `x:`."""
 
     def __init__(self) -> None:
         super().__init__(file_okay=False, path_type=Path)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and "://" in value:
-            self.fail(
-                f"{value}: object-store outputs (s3://) are not supported by this version yet; "
-                "give a local or NFS directory",
-                param,
-                ctx,
-            )
-        return super().convert(value, param, ctx)
+        if not isinstance(value, str) or "://" not in value:
+            return super().convert(value, param, ctx)
+        from sinks.objectstore import ObjectStore, is_object_store_url
+
+        if not is_object_store_url(value):
+            self.fail(f"{value}: give a local directory or s3://bucket/prefix", param, ctx)
+        try:
+            return ObjectStore.from_url(value)
+        except PipelineError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 OUTPUT = OutputPath()
@@ -155,7 +158,16 @@ def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: A
     )
     # Library chatter stays at WARNING, except kafka at INFO when debugging the worker.
     library_level = logging.INFO if log_level.upper() == "DEBUG" else logging.WARNING
-    for noisy in ("kafka", "transformers", "urllib3", "filelock", "faiss", "httpx"):
+    for noisy in (
+        "kafka",
+        "transformers",
+        "urllib3",
+        "filelock",
+        "faiss",
+        "httpx",
+        "botocore",
+        "boto3",
+    ):
         logging.getLogger(noisy).setLevel(max(library_level, logging.getLogger().level))
     # kafka-python times its IO loop's tasks; compressing a large producer batch
     # trips that warning many times a second, with nothing for a user to do.

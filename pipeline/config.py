@@ -14,9 +14,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sinks.layout import Output
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -98,7 +101,7 @@ class WorkerConfig:
 
     topics: tuple[str, ...]
     group: str
-    output: Path
+    output: Output  # a directory, or an object store (sinks.layout)
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     # Large batches sort better (fewer, fuller forward passes); they only fill
     # under a backlog, as a batch closes as soon as the worker has caught up.
@@ -241,6 +244,8 @@ def redact(value: Any) -> Any:
             for k, v in value.items()
         }
     if isinstance(value, Path):
+        return str(value)
+    if type(value).__name__ == "ObjectStore":  # an s3:// output: its URL (no secrets in it)
         return str(value)
     if isinstance(value, tuple | list):
         return [redact(v) for v in value]

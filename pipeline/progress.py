@@ -40,7 +40,8 @@ class Progress:
         self._enabled = enabled
         self._log_every_s = log_every_s
         self._started = time.monotonic()
-        self._last_draw = 0.0
+        self._last_draw = self._started
+        self._logged: int | None = None  # `done` at the last log line (not a tty)
 
     @property
     def rate(self) -> float:
@@ -63,7 +64,7 @@ class Progress:
             self._stream.flush()
             self._last_draw = now
         elif not self._tty and now - self._last_draw >= self._log_every_s:
-            log.info("%s", self.line(bar=False))
+            self._log()
             self._last_draw = now
 
     def advance(self, count: int) -> None:
@@ -75,8 +76,12 @@ class Progress:
         if self._tty:
             self._stream.write("\r" + self.line(bar=True) + "\n")
             self._stream.flush()
-        else:
-            log.info("%s", self.line(bar=False))
+        elif self._logged != self.done:  # the same line twice says nothing new
+            self._log()
+
+    def _log(self) -> None:
+        log.info("%s", self.line(bar=False))
+        self._logged = self.done
 
     def line(self, bar: bool) -> str:
         elapsed = format_duration(time.monotonic() - self._started)

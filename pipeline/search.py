@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from pipeline.embedder import Embedder
 from pipeline.errors import IndexStateError
 from sinks.faiss_index import Hit, IndexStore
-from sinks.layout import segments_by_partition
+from sinks.layout import describe, segments_by_partition
 from sinks.segments import DamagedSegment, read_rows
 from sinks.vectors_swap import read_consistently
 
@@ -67,5 +67,5 @@ def _row(output: Path, hit: Hit) -> dict[str, Any]:
             return found
     raise IndexStateError(
         f"index entry {hit.topic}[{hit.partition}]@{hit.offset} has no Parquet row; "
-        f"run: pipeline index rebuild --output {output}"
+        f"run: pipeline index rebuild --output {describe(output)}"
     )

@@ -41,7 +41,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import OutputError
-from sinks.layout import SegmentFile, TopicPartitionKey, segments_by_partition, vectors_dir
+from sinks.layout import (
+    Output,
+    SegmentFile,
+    TopicPartitionKey,
+    describe,
+    segments_by_partition,
+    vectors_dir,
+)
 from sinks.parquet import CODEC, EMBEDDING_LEAF, fsync_dir, output_error
 from sinks.segments import (
     META_PREFIX,
@@ -101,7 +108,7 @@ class CompactionReport:
 
 
 def compact(
-    output: Path,
+    output: Output,
     target_bytes: int = DEFAULT_TARGET_BYTES,
     dry_run: bool = False,
     should_stop: Callable[[], bool] = lambda: False,
@@ -110,6 +117,12 @@ def compact(
 
     `should_stop` is asked between merged files: a stopping worker abandons the
     run (nothing visible changed yet) rather than holding up its shutdown."""
+    if not isinstance(output, Path):
+        raise OutputError(
+            f"{describe(output)}: compaction of object-store outputs is not supported yet "
+            "(a listing there cannot switch from small files to merged ones at once); "
+            "larger --batch-size and --poll-timeout-ms make fewer, larger segments"
+        )
     try:
         return _compact(output, target_bytes, dry_run, should_stop)
     except OSError as exc:  # disk full, permissions: one line, as for a worker's writes

@@ -19,7 +19,8 @@ small number per topic fixed in `index.json`.
 
 Sync, rebuild and load take an exclusive lock on `index/.lock`, so several
 workers on one output directory take turns and a reader never meets a shard
-that a merge is removing.
+that a merge is removing. On an object store writers race instead, and the
+loser of a commit syncs again from the winner's list (see sinks.index_files).
 
 Index types: `flat` is exact inner product (IndexFlatIP) over L2-normalised
 vectors, which is cosine similarity: no training, exact, search cost linear in
@@ -32,21 +33,20 @@ shards that readers add to the trained index.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
+import random
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from pipeline.errors import IndexStateError, OutputError
+from sinks.index_files import index_files
 from sinks.index_shards import (
     FLAT,
     INDEX_TYPES,
@@ -61,22 +61,20 @@ from sinks.index_shards import (
     faiss_flat,
     flat_file_bytes,
     ids_of,
-    is_index_file,
     next_merge,
     read_index_file,
     table_vectors,
     write_checked,
 )
 from sinks.layout import (
-    INDEX_META_FILE,
+    Output,
     SegmentFile,
     TopicPartitionKey,
-    index_dir,
+    describe,
     iter_segments,
     segments_by_partition,
 )
-from sinks.parquet import fsync_dir, output_error
-from sinks.segments import DamagedSegment, last_offset, read_rows
+from sinks.segments import DamagedSegment, last_offset, read_rows, read_schema
 from sinks.trained_index import TrainedBuilder, trained_builder
 
 __all__ = ["INDEX_TYPES", "Hit", "IndexMeta", "IndexStore", "SyncStats", "decode_id", "encode_id"]
@@ -88,6 +86,9 @@ _PARTITION_SHIFT = 40
 _MAX_TOPICS = 1 << 7
 _MAX_PARTITIONS = 1 << 16
 _OFFSET_MASK = (1 << _PARTITION_SHIFT) - 1
+# Commits a sync may lose in a row to other writers before it gives up (object stores).
+_COMMIT_ATTEMPTS = 8
+T = TypeVar("T")
 
 
 def encode_id(topic_no: int, partition: int, offset: int) -> int:
@@ -123,7 +124,7 @@ class IndexStore:
 
     def __init__(
         self,
-        output: Path,
+        output: Output,
         use_gpu: bool = False,
         index_type: str = FLAT,
         shard_cap: int | None = None,
@@ -131,7 +132,10 @@ class IndexStore:
         if index_type not in INDEX_TYPES:
             raise IndexStateError(f"unknown index type {index_type!r}; one of {INDEX_TYPES}")
         self.output = output
-        self.directory = index_dir(output)
+        self.files = index_files(output)
+        self.directory = self.files.directory  # where shard files are written and read
+        # Writers that do not take turns (object stores) name shards apart.
+        self._tag = "" if isinstance(output, Path) else f"-{os.urandom(4).hex()}"
         self.use_gpu = use_gpu
         self.index_type = index_type
         self.shard_cap = shard_cap  # vectors per shard; None: from SHARD_CAP_BYTES
@@ -139,7 +143,7 @@ class IndexStore:
         self._meta: IndexMeta | None = None
         self.damaged: list[DamagedSegment] = []  # skipped by the last sync or rebuild
         self.last_sync = SyncStats()
-        self._warned: set[Path] = set()
+        self._warned: set[str] = set()
         self._carried_topics: dict[str, int] = {}  # a rebuild keeps every id
 
     @property
@@ -150,14 +154,15 @@ class IndexStore:
 
     def sync(self) -> int:
         """Adds the vectors of finished files past the covered offsets; returns how many."""
+        return self._until_committed(self._sync_once)
+
+    def _sync_once(self, stats: SyncStats) -> None:
         self.damaged = []
-        started = time.perf_counter()
-        stats = SyncStats()
-        with self._locked():
+        with self.files.locked():
             self._meta = self._read_meta()
             generation = self._meta.generation if self._meta else 0
             covered = dict(self._meta.covered) if self._meta else {}
-            names = FileNames(generation + 1)
+            names = FileNames(generation + 1, self._tag)
             writer = FlatShardWriter(self.directory, names, self.shard_cap, stats)
             stats.added = self._add_new_segments(writer, FLAT)
             new = writer.finish()
@@ -165,15 +170,35 @@ class IndexStore:
                 self._meta.shards.extend(new)
                 self._merge_small(self._meta, names, stats)
                 self._commit(self._meta, names.generation, stats)
+
+    def _until_committed(self, attempt: Callable[[SyncStats], None]) -> int:
+        """Runs a sync or rebuild until its commit wins (at once, where writers take turns)."""
+        started = time.perf_counter()
+        for tries in range(1, _COMMIT_ATTEMPTS + 1):
+            stats = SyncStats()
+            try:
+                attempt(stats)
+                break
+            except _LostCommit:
+                self._meta = None
+                if tries == _COMMIT_ATTEMPTS:
+                    raise OutputError(
+                        f"the index at {self.files.where} changed under {tries} commits in a "
+                        "row; too many writers syncing at once: try again"
+                    ) from None
+                time.sleep(random.uniform(0.05, 0.5) * tries)
         stats.seconds = time.perf_counter() - started
         self.last_sync = stats
         return stats.added
 
     def rebuild(self) -> int:
         """Builds the index from scratch from every Parquet file; returns the vector count."""
-        started = time.perf_counter()
-        stats = SyncStats()
-        with self._locked():
+        self._until_committed(self._rebuild_once)
+        assert self._meta is not None
+        return self._meta.count
+
+    def _rebuild_once(self, stats: SyncStats) -> None:
+        with self.files.locked():
             # Topic numbers (and so every id) and the generation carry over, so ids
             # stay stable and a reader holding the old generation sees the change.
             # Only the metadata is read: the old shards may be the broken thing.
@@ -182,7 +207,7 @@ class IndexStore:
             except IndexStateError:
                 previous = None
             self._carried_topics = dict(previous.topics) if previous else {}
-            names = FileNames((previous.generation if previous else 0) + 1)
+            names = FileNames((previous.generation if previous else 0) + 1, self._tag)
             self._index, self._meta, self.damaged = None, None, []
             shared = (self.directory, names, stats)
             # A flat rebuild writes one file, as readers load one file fastest:
@@ -194,14 +219,13 @@ class IndexStore:
             )
             stats.added = self._add_new_segments(sink, self.index_type)
             if self._meta is None:
-                raise IndexStateError(f"no Parquet files under {self.output}/vectors to index")
+                raise IndexStateError(
+                    f"no Parquet files under {describe(self.output)}/vectors to index"
+                )
             self._meta.shards = sink.finish()
             if isinstance(sink, TrainedBuilder):
                 self._meta.recall_at_10 = sink.recall_at_10()
             self._commit(self._meta, names.generation, stats)
-        stats.seconds = time.perf_counter() - started
-        self.last_sync = stats
-        return self._meta.count
 
     def _merge_cap(self, dim: int) -> int:
         return self.shard_cap if self.shard_cap is not None else cap_vectors(dim)
@@ -242,7 +266,7 @@ class IndexStore:
 
     def _add_segment(self, segment: SegmentFile, sink: VectorSink, index_type: str) -> int:
         table, info = read_rows(segment, ["offset", "embedding"])
-        meta = self._ensure(_list_size(table), segment.path, index_type)
+        meta = self._ensure(_list_size(table), segment, index_type)
         key = _key(*segment.key.partition_key)
         through = meta.covered.get(key, -1)
         offsets = table.column("offset").to_numpy().astype(np.int64)
@@ -257,26 +281,27 @@ class IndexStore:
 
     def _skip_damaged(self, damaged: DamagedSegment) -> None:
         self.damaged.append(damaged)
-        if damaged.segment.path not in self._warned:
-            self._warned.add(damaged.segment.path)
+        if damaged.segment.name not in self._warned:
+            self._warned.add(damaged.segment.name)
             log.warning(
                 "index: skipping %s and the rest of its partition (%s); a worker starting "
                 "moves it aside and reads its records again from Kafka",
-                damaged.segment.path.name,
+                damaged.segment.name,
                 damaged.reason,
             )
 
-    def _ensure(self, dim: int | None, path: Path, index_type: str) -> IndexMeta:
+    def _ensure(self, dim: int | None, segment: SegmentFile, index_type: str) -> IndexMeta:
         if self._meta is None:
+            schema = read_schema(segment)
             self._meta = IndexMeta(
-                dim=dim if dim is not None else _dim_from_schema(path),
+                dim=dim if dim is not None else int(schema.field("embedding").type.list_size),
                 index_type=index_type,
                 topics=dict(self._carried_topics),
-                model=_model_meta(path),
+                model=_model_meta(schema.metadata),
             )
         elif dim is not None and dim != self._meta.dim:
             raise IndexStateError(
-                f"{path.name} has {dim}-d vectors but the index is {self._meta.dim}-d: "
+                f"{segment.name} has {dim}-d vectors but the index is {self._meta.dim}-d: "
                 "one output directory holds one model's vectors"
             )
         return self._meta
@@ -287,7 +312,7 @@ class IndexStore:
         while group := next_merge(meta.shards, cap):
             merged = faiss_flat(meta.dim)
             for shard in group:
-                vectors, ids = contents(read_index_file(self.directory / shard.file, shard.count))
+                vectors, ids = contents(self._read_shard(shard))
                 merged.add_with_ids(vectors, ids)
             name = names.next()
             stats.bytes_written += write_checked(merged, self.directory / name)
@@ -297,30 +322,16 @@ class IndexStore:
 
     # -- persistence -------------------------------------------------------------
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fh = open(self.directory / ".lock", "a+b")  # noqa: SIM115 - held for the block
-        except OSError as exc:
-            raise OutputError(f"cannot use index directory {self.directory}: {exc}") from exc
-        with fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
     def _saved_meta(self) -> IndexMeta | None:
-        meta_path = self.directory / INDEX_META_FILE
-        if not meta_path.exists():
+        text = self.files.meta_text()
+        if text is None:
             return None
         try:
-            return IndexMeta.from_json(meta_path.read_text())
+            return IndexMeta.from_json(text)
         except (ValueError, KeyError, TypeError) as exc:
             raise IndexStateError(
-                f"{meta_path} is unreadable ({exc}); run: pipeline index rebuild "
-                f"--output {self.output}"
+                f"the index metadata in {self.files.where} is unreadable ({exc}); "
+                f"run: pipeline index rebuild --output {describe(self.output)}"
             ) from exc
 
     def _read_meta(self) -> IndexMeta | None:
@@ -328,78 +339,79 @@ class IndexStore:
         meta = self._saved_meta()
         if meta is None:
             return None
-        rebuild = f"run: pipeline index rebuild --output {self.output}"
+        rebuild = f"run: pipeline index rebuild --output {describe(self.output)}"
         if meta.shard_total != meta.count:
             raise IndexStateError(
-                f"the index in {self.directory} holds {meta.shard_total} vectors but its "
+                f"the index in {self.files.where} holds {meta.shard_total} vectors but its "
                 f"metadata says {meta.count}; {rebuild}"
             )
+        sizes = self.files.sizes()
         for shard in meta.shards:
-            path = self.directory / shard.file
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError as exc:
-                raise IndexStateError(f"the index file {path} is missing; {rebuild}") from exc
+            where = f"{self.files.where}/{shard.file}"
+            size = sizes.get(shard.file)
+            if size is None:
+                raise IndexStateError(f"the index file {where} is missing; {rebuild}")
             if shard.kind == FLAT and size != flat_file_bytes(meta.dim, shard.count):
                 raise IndexStateError(
-                    f"the index file {path} is {size} bytes, not the "
+                    f"the index file {where} is {size} bytes, not the "
                     f"{flat_file_bytes(meta.dim, shard.count)} of the {shard.count} vectors "
-                    f"index.json says it holds: damaged or replaced; {rebuild}"
+                    f"its metadata says it holds: damaged or replaced; {rebuild}"
                 )
         return meta
 
     def _commit(self, meta: IndexMeta, generation: int, stats: SyncStats) -> None:
-        """Switches index.json to the new list of shards (their files are already
-        written and fsynced), then removes the files no list names any more.
-
-        The rename of index.json is the commit point: a crash before it leaves
-        the previous metadata naming the previous files, intact.
-        """
+        """Switches to the new list of shards (their files are already written), then
+        removes the files no list names any more. A crash before the switch leaves
+        the previous list naming the previous files, intact."""
         meta.generation = generation
-        meta_tmp = self.directory / f".{INDEX_META_FILE}.{os.getpid()}.tmp"
         text = meta.to_json()
-        try:
-            meta_tmp.write_text(text)
-            with open(meta_tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.rename(meta_tmp, self.directory / INDEX_META_FILE)
-            fsync_dir(self.directory)
-        except OSError as exc:
-            meta_tmp.unlink(missing_ok=True)
-            raise output_error(exc, self.directory / INDEX_META_FILE) from exc
+        if not self.files.commit(text, generation, [s.file for s in meta.shards]):
+            raise _LostCommit
         stats.bytes_written += len(text)
-        self._remove_unlisted(meta)
+        self.files.remove_unlisted({s.file for s in meta.shards})
 
-    def _remove_unlisted(self, meta: IndexMeta) -> None:
-        # Under the lock no reader is between reading index.json and its files.
-        listed = {s.file for s in meta.shards}
-        for path in self.directory.iterdir():
-            if is_index_file(path.name) and path.name not in listed:
-                path.unlink(missing_ok=True)
+    def _read_shard(self, shard: Shard) -> Any:
+        index = read_index_file(self.files.fetch(shard.file), shard.count)
+        self.files.release(shard.file)
+        return index
 
     # -- reading -----------------------------------------------------------------
 
     def load(self) -> None:
         """Loads the saved index for searching (no sync): every shard, added up."""
-        with self._locked():
-            meta = self._read_meta()
-            if meta is None:
-                raise IndexStateError(
-                    f"no index in {self.directory}; run a worker or: "
-                    f"pipeline index rebuild --output {self.output}"
-                )
-            loaded = self._meta.generation if self._index is not None and self._meta else None
-            if loaded != meta.generation:
-                self._index = self._assemble(meta)
-            self._meta = meta
+        self._meta = self._reading(self._load_once)
+
+    def _load_once(self) -> IndexMeta:
+        meta = self._read_meta()
+        if meta is None:
+            raise IndexStateError(
+                f"no index in {self.files.where}; run a worker or: "
+                f"pipeline index rebuild --output {describe(self.output)}"
+            )
+        loaded = self._meta.generation if self._index is not None and self._meta else None
+        if loaded != meta.generation:
+            self._index = self._assemble(meta)
+        return meta
+
+    def _reading(self, read: Callable[[], T]) -> T:
+        """Runs `read` under the lock; where writers do not take turns, a shard removed
+        under it (a newer list no longer names it) means reading the newest list."""
+        for tries in range(_COMMIT_ATTEMPTS):
+            with self.files.locked():
+                try:
+                    return read()
+                except FileNotFoundError:
+                    if tries == _COMMIT_ATTEMPTS - 1:
+                        raise
+        raise AssertionError("unreachable")
 
     def _assemble(self, meta: IndexMeta) -> Any:
         """The first file (the trained one, if any) with every other shard added at once."""
         if not meta.shards:
             return faiss_flat(meta.dim)
         first, *rest = meta.shards
-        index = read_index_file(self.directory / first.file, first.count)
-        parts = [contents(read_index_file(self.directory / s.file, s.count)) for s in rest]
+        index = self._read_shard(first)
+        parts = [contents(self._read_shard(s)) for s in rest]
         if parts:
             vectors = np.concatenate([v for v, _ in parts])
             ids = np.concatenate([i for _, i in parts])
@@ -413,13 +425,15 @@ class IndexStore:
 
     def snapshot(self) -> tuple[IndexMeta | None, np.ndarray, int]:
         """The saved metadata, every id and the files' bytes, of one generation."""
-        with self._locked():
-            meta = self._read_meta()
-            if meta is None:
-                return None, np.empty(0, dtype=np.int64), 0
-            files = [(self.directory / s.file, s.count) for s in meta.shards]
-            parts = [ids_of(read_index_file(path, count)) for path, count in files]
-            size = sum(path.stat().st_size for path, _ in files)
+        return self._reading(self._snapshot_once)
+
+    def _snapshot_once(self) -> tuple[IndexMeta | None, np.ndarray, int]:
+        meta = self._read_meta()
+        if meta is None:
+            return None, np.empty(0, dtype=np.int64), 0
+        sizes = self.files.sizes()
+        parts = [ids_of(self._read_shard(s)) for s in meta.shards]
+        size = sum(sizes.get(s.file, 0) for s in meta.shards)
         ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return meta, ids, size
 
@@ -461,12 +475,12 @@ def _list_size(table: Any) -> int | None:
     return int(table.schema.field("embedding").type.list_size)
 
 
-def _dim_from_schema(path: Path) -> int:
-    return int(pq.read_schema(path).field("embedding").type.list_size)
+class _LostCommit(Exception):
+    """Another writer committed the generation this one meant to (object stores)."""
 
 
-def _model_meta(path: Path) -> dict[str, str]:
-    raw = pq.read_schema(path).metadata or {}
+def _model_meta(raw: Mapping[bytes, bytes] | None) -> dict[str, str]:
+    raw = raw or {}
     return {
         k.decode()[len("embedding.") :]: v.decode()
         for k, v in raw.items()

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from pipeline.errors import IndexStateError
 from sinks.faiss_index import IndexMeta, IndexStore, encode_id
 from sinks.index_shards import table_vectors
 from sinks.layout import iter_segments, segments_by_partition
+from sinks.segments import read_table
 from sinks.trained_index import RECALL_QUERIES, ExactTopK, training_sample
 
 
@@ -81,7 +81,7 @@ def measure_recall(
     picked = sample[rng.choice(len(sample), min(queries, len(sample)), replace=False)]
     exact = ExactTopK(picked)
     for segment in segments:
-        table = pq.read_table(segment.path, columns=["offset", "embedding"])
+        table = read_table(segment, ["offset", "embedding"])
         topic_no = meta.topics.get(segment.key.topic)
         if topic_no is None or not table.num_rows:
             continue
@@ -105,9 +105,9 @@ def _covered_row_ids(
         through = covered.get(f"{topic}:{partition}", -1)
         for segment in segments:
             try:
-                offsets = pq.read_table(segment.path, columns=["offset"]).column("offset")
+                offsets = read_table(segment, ["offset"]).column("offset")
             except (OSError, ValueError) as exc:
-                raise IndexStateError(f"cannot read {segment.path}: {exc}") from exc
+                raise IndexStateError(f"cannot read {segment.where}: {exc}") from exc
             offsets_np = offsets.to_numpy().astype(np.int64)
             inside = offsets_np[offsets_np <= through]
             uncovered += len(offsets_np) - len(inside)

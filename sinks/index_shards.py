@@ -44,7 +44,7 @@ INDEX_TYPES = (FLAT, IVF, IVF_PQ)
 # while the vector grows). 32 MiB is ~21,000 vectors of 384 floats.
 SHARD_CAP_BYTES = 32 << 20
 MERGE_FANOUT = 8
-_INDEX_FILE = re.compile(r"^(?:shard|index|ivf|ivf-pq)-\d{8}(?:-\d{4,})?\.faiss$")
+_INDEX_FILE = re.compile(r"^(?:shard|index|ivf|ivf-pq)-\d{8}(?:-\d{4,})?(?:-[0-9a-z_.]+)?\.faiss$")
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,8 @@ def is_index_file(name: str) -> bool:
     return bool(_INDEX_FILE.match(name))
 
 
-def shard_name(generation: int, seq: int) -> str:
-    return f"shard-{generation:08d}-{seq:04d}.faiss"
+def shard_name(generation: int, seq: int, tag: str = "") -> str:
+    return f"shard-{generation:08d}-{seq:04d}{tag}.faiss"
 
 
 def cap_vectors(dim: int, cap_bytes: int = SHARD_CAP_BYTES) -> int:
@@ -243,14 +243,19 @@ class VectorSink(Protocol):
 
 @dataclass
 class FileNames:
-    """Names of the files one save writes: all carry the generation it commits."""
+    """Names of the files one save writes: all carry the generation it commits, and
+    `tag` (`-<writer token>`) where writers commit without taking turns."""
 
     generation: int
+    tag: str = ""
     seq: int = 0
 
     def next(self) -> str:
         self.seq += 1
-        return shard_name(self.generation, self.seq)
+        return shard_name(self.generation, self.seq, self.tag)
+
+    def trained(self, kind: str) -> str:
+        return f"{kind}-{self.generation:08d}{self.tag}.faiss"
 
 
 def write_checked(index: Any, path: Path) -> int:

@@ -21,6 +21,12 @@ sinks.compaction, which also fences the merged range against late writers) and
 were written by versions before the scheme above; both are read alike.
 
 Files still being written start with a dot and end in `.tmp`, never `.parquet`.
+
+An output is a local (or NFS) directory, a `Path`, or a bucket prefix on an
+S3-compatible store, an `ObjectStore` (`--output s3://bucket/prefix`): the same
+names under the prefix, no temp files (a segment is uploaded whole, with a
+create-if-absent PUT). Code that reads segments goes through `SegmentFile` and
+sinks.segments, which read either.
 """
 
 from __future__ import annotations
@@ -28,8 +34,12 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from sinks.objectstore import ObjectStore
 
 VECTORS_DIR = "vectors"
 INDEX_DIR = "index"
@@ -41,6 +51,17 @@ _NAME = re.compile(
 )
 
 TopicPartitionKey = tuple[str, int]
+# Where outputs live: a directory, or a bucket prefix on an object store.
+Output = Union[Path, "ObjectStore"]
+
+
+def is_local(output: Output) -> bool:
+    return isinstance(output, Path)
+
+
+def describe(output: Output) -> str:
+    """The output as a user wrote it: a directory, or s3://bucket/prefix."""
+    return str(output) if isinstance(output, Path) else output.url.rstrip("/")
 
 
 @dataclass(frozen=True, order=True)
@@ -62,20 +83,41 @@ class SegmentKey:
 
 @dataclass(frozen=True, order=True)
 class SegmentFile:
-    """A finished segment in the directory; `named_last` only for range names."""
+    """A finished segment; `named_last` only for range names.
+
+    `path` is the file in a local output, or the object's key (relative to the
+    store's prefix) in an object-store output, which `store` then names.
+    """
 
     key: SegmentKey
-    path: Path
+    path: Path | PurePosixPath
     named_last: int | None = None
+    store: ObjectStore | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def parse(cls, path: Path) -> SegmentFile | None:
+    def parse(
+        cls, path: Path | PurePosixPath, store: ObjectStore | None = None
+    ) -> SegmentFile | None:
         match = _NAME.match(path.name)
         if match is None:
             return None
         key = SegmentKey(match["topic"], int(match["partition"]), int(match["first"]))
         last = match["last"]
-        return cls(key, path, int(last) if last is not None else None)
+        return cls(key, path, int(last) if last is not None else None, store)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def where(self) -> str:
+        """The file or object, for messages."""
+        return str(self.path) if self.store is None else f"{self.store.url}{self.path}"
+
+
+def vectors_key(name: str) -> str:
+    """An object's key under an object-store output's prefix, in the vectors folder."""
+    return f"{VECTORS_DIR}/{name}"
 
 
 def vectors_dir(output: Path) -> Path:
@@ -90,8 +132,20 @@ def quarantine_dir(output: Path) -> Path:
     return output / QUARANTINE_DIR
 
 
-def iter_segments(output: Path) -> Iterator[SegmentFile]:
-    """Every finished segment of the output directory, in name order."""
+def has_vectors(output: Output) -> bool:
+    """Whether the output has a vectors folder (an object store: any object in it)."""
+    if isinstance(output, Path):
+        return vectors_dir(output).is_dir()
+    return next(iter(output.list(f"{VECTORS_DIR}/", page_size=1)), None) is not None
+
+
+def iter_segments(output: Output) -> Iterator[SegmentFile]:
+    """Every finished segment of the output, in name order."""
+    if not isinstance(output, Path):
+        listed = (o for o in output.list(f"{VECTORS_DIR}/") if o.key.count("/") == 1)
+        objects = (SegmentFile.parse(PurePosixPath(o.key), output) for o in listed)
+        yield from sorted(s for s in objects if s is not None)
+        return
     directory = vectors_dir(output)
     if not directory.is_dir():
         return
@@ -100,7 +154,7 @@ def iter_segments(output: Path) -> Iterator[SegmentFile]:
 
 
 def segments_by_partition(
-    output: Path, topics: Iterable[str] | None = None
+    output: Output, topics: Iterable[str] | None = None
 ) -> dict[TopicPartitionKey, list[SegmentFile]]:
     """Finished segments per (topic, partition), in offset order."""
     wanted = set(topics) if topics is not None else None

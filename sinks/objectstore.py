@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import os
 import random
 import threading
@@ -81,10 +82,12 @@ _ACCESS_CODES = frozenset(
 
 
 class ObjectInfo(NamedTuple):
-    """One listed object: its key (relative to the store's prefix) and size in bytes."""
+    """One listed object: its key (relative to the store's prefix), size in bytes and
+    time of last modification (seconds since the epoch, as the store says)."""
 
     key: str
     size: int
+    modified: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,14 @@ class ObjectStore:
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r}, endpoint={self.endpoint!r})"
 
+    def __str__(self) -> str:
+        return self.url.rstrip("/")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ObjectStore:
+        # Shared, not copied (a configuration's asdict() deep-copies its values):
+        # the client is thread-safe and the store holds nothing a copy should not.
+        return self
+
     def full_key(self, key: str) -> str:
         """The bucket key for `key` (relative to the prefix)."""
         if not key or key.startswith("/") or key.endswith("/"):
@@ -327,6 +338,33 @@ class ObjectStore:
                 raise self._error(exc, "read", full) from exc
             raise
 
+    def get_range(self, key: str, start: int, end: int | None = None) -> tuple[bytes, int]:
+        """Bytes `start..end` (inclusive) of the object, or its last `-start` bytes when
+        `start` is negative; with the object's whole size. FileNotFoundError when there
+        is none. A store error is OutputError, never an OSError: a reader can tell a
+        damaged object from one it could not fetch."""
+        full = self.full_key(key)
+        wanted = f"bytes={start}" if start < 0 else f"bytes={start}-{'' if end is None else end}"
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=full, Range=wanted)
+            with response["Body"] as stream:
+                data = stream.read()
+        except Exception as exc:
+            if _is_not_found(exc):
+                raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
+            if _is_range_not_satisfiable(exc):  # an empty object
+                return b"", 0
+            if _is_botocore(exc):
+                raise self._error(exc, "read", full) from exc
+            raise
+        total = response.get("ContentRange", "").rpartition("/")[2]
+        return data, int(total) if total.isdigit() else len(data)
+
+    def open_ranged(self, key: str, tail: int = 64 * 1024) -> RangedObject:
+        """A read-only, seekable file on the object that fetches its last `tail` bytes at
+        once and any other range on demand: a Parquet footer costs one request."""
+        return RangedObject(self, key, tail)
+
     def exists(self, key: str) -> bool:
         full = self.full_key(key)
         try:
@@ -373,7 +411,12 @@ class ObjectStore:
                     raise self._error(exc, "list", full_prefix) from exc
                 raise
             for item in page.get("Contents", ()):
-                yield ObjectInfo(item["Key"][len(self.prefix) :], int(item["Size"]))
+                modified = item.get("LastModified")
+                yield ObjectInfo(
+                    item["Key"][len(self.prefix) :],
+                    int(item["Size"]),
+                    modified.timestamp() if modified is not None else 0.0,
+                )
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
@@ -527,6 +570,61 @@ def _is_botocore(exc: BaseException) -> bool:
     from botocore.exceptions import BotoCoreError, ClientError
 
     return isinstance(exc, (BotoCoreError, ClientError))
+
+
+def _is_range_not_satisfiable(exc: BaseException) -> bool:
+    from botocore.exceptions import ClientError
+
+    if not isinstance(exc, ClientError):
+        return False
+    return str(exc.response.get("Error", {}).get("Code", "")) in ("InvalidRange", "416")
+
+
+class RangedObject(io.RawIOBase):
+    """See ObjectStore.open_ranged; reads past the fetched tail are ranged GETs."""
+
+    def __init__(self, store: ObjectStore, key: str, tail: int) -> None:
+        super().__init__()
+        self._store = store
+        self._key = key
+        data, self._size = store.get_range(key, -tail)
+        self._tail_start = self._size - len(data)
+        self._tail = data
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._position
+        end = self._size if size is None or size < 0 else min(self._size, start + size)
+        if start >= end:
+            return b""
+        if start >= self._tail_start:
+            data = self._tail[start - self._tail_start : end - self._tail_start]
+        else:
+            data, _ = self._store.get_range(self._key, start, end - 1)
+        self._position = start + len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def size(self) -> int:
+        return self._size
 
 
 def _is_not_found(exc: BaseException) -> bool:

@@ -8,6 +8,12 @@ create-if-absent, never a rename over), then fsyncs the directory. A segment's
 name is its first offset (see `sinks.layout`), so when two writers believe they
 own a partition, exactly one of them publishes the range starting there and the
 other learns it lost. A published file is never rewritten.
+
+On an object store (see sinks.layout) there is no link and no temp file:
+`stage()` encodes the segment in memory and `publish()` uploads it with a
+create-if-absent PUT (`If-None-Match: *`) under the same final name, which the
+store makes durable before it answers. The race between two owners is the
+same race, decided by the store.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -26,7 +33,7 @@ import pyarrow.parquet as pq
 from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
 from pipeline.records import GoodRecord
-from sinks.layout import TMP_SUFFIX, SegmentKey, vectors_dir
+from sinks.layout import TMP_SUFFIX, VECTORS_DIR, Output, SegmentKey, vectors_dir, vectors_key
 from sinks.segments import segment_metadata
 from sinks.vectors_swap import VectorsLock, fenced
 from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files
@@ -38,6 +45,9 @@ from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files
 # float bytes into streams is what lets zstd find the redundancy in exponents.
 CODEC = "zstd"
 EMBEDDING_LEAF = "embedding.list.element"
+
+if TYPE_CHECKING:
+    from sinks.objectstore import ObjectStore
 
 _stage_numbers = itertools.count()
 
@@ -62,24 +72,39 @@ def schema(dim: int) -> pa.Schema:
 class StagedFile:
     key: SegmentKey
     last: int
-    tmp_path: Path
-    final_path: Path
+    tmp_path: Path | None  # local outputs: the fsynced temp file
+    final_path: Path | None  # local outputs
     rows: int
+    data: bytes | None = None  # object-store outputs: the encoded segment
 
 
 class ParquetSink:
-    def __init__(self, output: Path, model: ModelInfo) -> None:
-        self.directory = vectors_dir(output)
+    def __init__(self, output: Output, model: ModelInfo) -> None:
+        self.output = output
+        self.store: ObjectStore | None = None if isinstance(output, Path) else output
+        self.directory = vectors_dir(output) if isinstance(output, Path) else Path(VECTORS_DIR)
         # Held shared while a file is created, written or published here, so
         # that a compaction's directory exchange never leaves one behind.
-        self.lock = VectorsLock(output)
+        self.lock = VectorsLock(output) if isinstance(output, Path) else None
         self._model_metadata = {f"embedding.{k}": v for k, v in model.as_metadata().items()}
         self._schema = schema(model.dim)
         self._dim = model.dim
 
+    def exists(self, key: SegmentKey) -> bool:
+        """Whether a segment starting at `key.first` is published."""
+        if self.store is not None:
+            return self.store.exists(vectors_key(key.filename))
+        return (self.directory / key.filename).exists()
+
     def prepare(self) -> int:
         """Creates the directory, checks it is writable, registers this writer (see
-        sinks.writers) and removes dead writers' temp files."""
+        sinks.writers) and removes dead writers' temp files. On an object store:
+        checks the bucket answers and refuses a second create of one key."""
+        if self.store is not None:
+            self.store.check()
+            self.store.verify_conditional_put()
+            return 0
+        assert self.lock is not None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with self.lock.shared():
@@ -102,20 +127,19 @@ class ParquetSink:
         start: str | None = None,
     ) -> StagedFile:
         """Writes offsets key.first..last (`consumed` records, the good ones given) aside."""
+        metadata = segment_metadata(key.first, last, consumed, WRITER, start)
+        table = self._table(records, vectors, {**self._model_metadata, **metadata})
+        if self.store is not None:
+            buffer = pa.BufferOutputStream()
+            _write(table, buffer)
+            return StagedFile(key, last, None, None, table.num_rows, buffer.getvalue().to_pybytes())
+        assert self.lock is not None
         final = self.directory / key.filename
         # Unique per call: a staged file is never overwritten by another stage.
         tmp = self.directory / f".{key.filename}.{next(_stage_numbers)}.{WRITER}{TMP_SUFFIX}"
-        metadata = segment_metadata(key.first, last, consumed, WRITER, start)
-        table = self._table(records, vectors, {**self._model_metadata, **metadata})
         try:
             with self.lock.shared(), open(tmp, "wb") as fh:
-                pq.write_table(
-                    table,
-                    fh,
-                    compression=CODEC,
-                    use_dictionary=["topic"],
-                    use_byte_stream_split=[EMBEDDING_LEAF],
-                )
+                _write(table, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as exc:
@@ -132,6 +156,10 @@ class ParquetSink:
         must then treat the partition's position as unknown and read it from
         the directory.
         """
+        if self.store is not None:
+            assert staged.data is not None
+            return self.store.put_if_absent(vectors_key(staged.key.filename), staged.data)
+        assert self.lock is not None and staged.tmp_path is not None
         with self.lock.shared():
             if fenced(self.directory, staged.key):
                 staged.tmp_path.unlink(missing_ok=True)
@@ -139,6 +167,7 @@ class ParquetSink:
             return self._link(staged)
 
     def _link(self, staged: StagedFile) -> bool:
+        assert staged.tmp_path is not None and staged.final_path is not None
         try:
             os.link(staged.tmp_path, staged.final_path)
         except FileExistsError:
@@ -162,6 +191,8 @@ class ParquetSink:
         return True
 
     def discard(self, staged: StagedFile) -> None:
+        if self.lock is None or staged.tmp_path is None:
+            return  # nothing was written anywhere
         with self.lock.shared():
             staged.tmp_path.unlink(missing_ok=True)
 
@@ -182,6 +213,16 @@ class ParquetSink:
             pa.FixedSizeListArray.from_arrays(flat, self._dim),
         ]
         return pa.Table.from_arrays(columns, schema=self._schema.with_metadata(metadata))
+
+
+def _write(table: pa.Table, sink: Any) -> None:
+    pq.write_table(
+        table,
+        sink,
+        compression=CODEC,
+        use_dictionary=["topic"],
+        use_byte_stream_split=[EMBEDDING_LEAF],
+    )
 
 
 def fsync_dir(directory: Path) -> None:

@@ -15,16 +15,20 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import OutputError
-from sinks.layout import SegmentFile, quarantine_dir
+from sinks.layout import QUARANTINE_DIR, Output, SegmentFile, describe, quarantine_dir
 from sinks.vectors_swap import VectorsLock
+
+if TYPE_CHECKING:
+    from sinks.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class DamagedSegment(OutputError):
     """A finished segment whose footer cannot be read."""
 
     def __init__(self, segment: SegmentFile, reason: str) -> None:
-        super().__init__(f"damaged segment {segment.path}: {reason}")
+        super().__init__(f"damaged segment {segment.where}: {reason}")
         self.segment = segment
         self.reason = reason
 
@@ -72,14 +76,45 @@ def segment_metadata(
 
 
 def read_info(segment: SegmentFile) -> SegmentInfo:
-    """The segment's range and counts, from its footer; DamagedSegment if unreadable."""
+    """The segment's range and counts, from its footer; DamagedSegment if unreadable.
+
+    On an object store, only the object's tail is fetched, and a failure to fetch
+    it is an OutputError (the store is unwell), never taken for damage.
+    """
     try:
-        footer = pq.read_metadata(segment.path)
+        if segment.store is None:
+            footer = pq.read_metadata(segment.path)
+        else:
+            with segment.store.open_ranged(str(segment.path)) as ranged:
+                footer = pq.read_metadata(pa.PythonFile(ranged, mode="r"))
     except FileNotFoundError:
         raise
     except (OSError, pa.ArrowException) as exc:
         raise DamagedSegment(segment, str(exc)) from exc
     return info_from_metadata(segment, footer.metadata, footer.num_rows)
+
+
+def read_schema(segment: SegmentFile) -> pa.Schema:
+    """The segment's schema with its key-value metadata (from the footer)."""
+    if segment.store is None:
+        return pq.read_schema(segment.path)
+    with segment.store.open_ranged(str(segment.path)) as ranged:
+        return pq.read_schema(pa.PythonFile(ranged, mode="r"))
+
+
+def read_table(segment: SegmentFile, columns: Sequence[str] | None = None) -> pa.Table:
+    """The segment's rows (the given columns), as pyarrow reads them: ArrowException or
+    OSError when damaged, FileNotFoundError when gone."""
+    if segment.store is None:
+        return pq.read_table(segment.path, columns=None if columns is None else list(columns))
+    data = segment.store.get(str(segment.path))
+    return pq.read_table(pa.BufferReader(data), columns=None if columns is None else list(columns))
+
+
+def segment_size(segment: SegmentFile) -> int:
+    if segment.store is None:
+        return segment.path.stat().st_size
+    return segment.store.size(str(segment.path))
 
 
 def info_from_metadata(
@@ -103,7 +138,7 @@ def info_from_metadata(
 def read_rows(segment: SegmentFile, columns: Sequence[str]) -> tuple[pa.Table, SegmentInfo]:
     """The segment's columns and range; DamagedSegment if it cannot be read."""
     try:
-        table = pq.read_table(segment.path, columns=list(columns))
+        table = read_table(segment, columns)
     except FileNotFoundError:
         raise
     except (OSError, pa.ArrowException) as exc:
@@ -159,21 +194,17 @@ class QuarantineNote:
         return cls(**data)  # type: ignore[arg-type]
 
 
-def quarantine(output: Path, segment: SegmentFile, reason: str) -> QuarantineNote | None:
+def quarantine(output: Output, segment: SegmentFile, reason: str) -> QuarantineNote | None:
     """Moves a damaged segment into DIR/quarantine/ with a note; None if it is already gone."""
-    directory = quarantine_dir(output)
-    directory.mkdir(parents=True, exist_ok=True)
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.urandom(3).hex()}"
-    destination = directory / f"{segment.path.name}.{stamp}"
-    try:
-        with VectorsLock(output).shared():  # not resurrected by a compaction's exchange
-            os.rename(segment.path, destination)
-    except FileNotFoundError:
-        return None  # another worker moved it first
-    except OSError as exc:
-        raise OutputError(f"cannot move damaged segment {segment.path} aside: {exc}") from exc
+    moved_name = f"{segment.name}.{stamp}"
+    if isinstance(output, Path):
+        if not _move_aside(output, segment, moved_name):
+            return None
+    elif not _copy_aside(output, segment, moved_name):
+        return None
     note = QuarantineNote(
-        file=destination.name,
+        file=moved_name,
         topic=segment.key.topic,
         partition=segment.key.partition,
         first=segment.key.first,
@@ -183,33 +214,76 @@ def quarantine(output: Path, segment: SegmentFile, reason: str) -> QuarantineNot
     )
     save_note(output, note)
     log.warning(
-        "damaged segment %s (%s) moved to %s; its records will be read again from Kafka",
-        segment.path.name,
+        "damaged segment %s (%s) moved to %s/%s/%s; its records will be read again from Kafka",
+        segment.name,
         reason,
-        destination,
+        describe(output),
+        QUARANTINE_DIR,
+        moved_name,
     )
     return note
 
 
-def save_note(output: Path, note: QuarantineNote) -> None:
-    path = quarantine_dir(output) / f"{note.file}.json"
+def _move_aside(output: Path, segment: SegmentFile, moved_name: str) -> bool:
+    directory = quarantine_dir(output)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with VectorsLock(output).shared():  # not resurrected by a compaction's exchange
+            os.rename(segment.path, directory / moved_name)
+    except FileNotFoundError:
+        return False  # another worker moved it first
+    except OSError as exc:
+        raise OutputError(f"cannot move damaged segment {segment.where} aside: {exc}") from exc
+    return True
+
+
+def _copy_aside(store: ObjectStore, segment: SegmentFile, moved_name: str) -> bool:
+    """An object store has no rename: the object is copied, then deleted. Two workers
+    doing it at once both copy; the second note is closed by the first repair."""
+    try:
+        data = store.get(str(segment.path))
+    except FileNotFoundError:
+        return False
+    store.put(f"{QUARANTINE_DIR}/{moved_name}", data)
+    store.delete(str(segment.path))
+    return True
+
+
+def save_note(output: Output, note: QuarantineNote) -> None:
+    name = f"{note.file}.json"
+    if not isinstance(output, Path):
+        output.put(f"{QUARANTINE_DIR}/{name}", note.to_json().encode())
+        return
+    path = quarantine_dir(output) / name
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(note.to_json(), encoding="utf-8")
     os.replace(tmp, path)
 
 
-def pending_notes(output: Path) -> list[QuarantineNote]:
+def pending_notes(output: Output) -> list[QuarantineNote]:
     """Notes of damaged segments whose range has not been read again yet."""
-    directory = quarantine_dir(output)
-    if not directory.is_dir():
-        return []
     notes = []
-    for path in sorted(directory.glob("*.json")):
+    for where, read in _note_files(output):
         try:
-            note = QuarantineNote.from_json(path.read_text(encoding="utf-8"))
+            note = QuarantineNote.from_json(read())
+        except FileNotFoundError:
+            continue
         except (OSError, ValueError, TypeError) as exc:
-            log.warning("unreadable quarantine note %s: %s", path, exc)
+            log.warning("unreadable quarantine note %s: %s", where, exc)
             continue
         if not note.repaired and not note.lost:
             notes.append(note)
     return notes
+
+
+def _note_files(output: Output) -> list[tuple[str, Callable[[], str]]]:
+    """(where, read its text) of every quarantine note, in name order."""
+    if not isinstance(output, Path):
+        store = output
+        keys = [o.key for o in store.list(f"{QUARANTINE_DIR}/") if o.key.endswith(".json")]
+        return [(f"{store.url}{k}", lambda k=k: store.get(k).decode("utf-8")) for k in keys]
+    directory = quarantine_dir(output)
+    if not directory.is_dir():
+        return []
+    paths = sorted(directory.glob("*.json"))
+    return [(str(p), lambda p=p: p.read_text(encoding="utf-8")) for p in paths]

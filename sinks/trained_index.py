@@ -18,12 +18,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.errors import IndexStateError
 from sinks.index_shards import IVF_PQ, FileNames, Shard, SyncStats, table_vectors, write_checked
 from sinks.layout import SegmentFile
-from sinks.segments import DamagedSegment, read_info
+from sinks.segments import DamagedSegment, read_info, read_table
 
 TRAIN_SAMPLE_MAX = 100_000
 RECALL_QUERIES = 200
@@ -76,7 +75,7 @@ class TrainedBuilder:
         self.exact.add(vectors, ids)
 
     def finish(self) -> list[Shard]:
-        name = f"{self.kind}-{self.names.generation:08d}.faiss"
+        name = self.names.trained(self.kind)
         self.stats.bytes_written += write_checked(self.index, self.directory / name)
         self.stats.shards_written += 1
         return [Shard(name, int(self.index.ntotal), self.kind)]
@@ -136,7 +135,7 @@ def training_sample(segments: list[SegmentFile]) -> tuple[np.ndarray, int]:
         if not count:
             continue
         try:
-            vectors = table_vectors(pq.read_table(segment.path, columns=["embedding"]))
+            vectors = table_vectors(read_table(segment, ["embedding"]))
         except (OSError, pa.ArrowException):
             continue
         parts.append(vectors[rng.random(len(vectors)) < keep])

@@ -287,20 +287,26 @@ def test_unknown_key_in_run_table_is_an_error(captured: list[WorkerConfig], tmp_
 @pytest.mark.parametrize(
     "args",
     [
-        ["compact", "--output", "s3://bucket/prefix"],
-        ["run", "--topic", "t", "--group", "g", "--output", "s3://bucket/prefix"],
         ["index", "check", "--output", "gs://bucket/x"],
+        ["run", "--topic", "t", "--group", "g", "--output", "file:///tmp/x"],
     ],
 )
-def test_object_store_outputs_are_refused_in_one_line_not_written_locally(
+def test_other_urls_are_refused_in_one_line_not_written_locally(
     args: list[str], tmp_path, monkeypatch
 ) -> None:
-    from click.testing import CliRunner
-
-    from pipeline.cli import main
-
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(main, args)
+    result = invoke(args)
     assert result.exit_code == 64
-    assert "not supported by this version yet" in result.output
-    assert not any(tmp_path.iterdir())  # no local folder named "s3:"
+    assert "give a local directory or s3://bucket/prefix" in result.output
+    assert not any(tmp_path.iterdir())  # no local folder named "gs:"
+
+
+def test_an_s3_output_becomes_an_object_store(captured: list[WorkerConfig], tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["run", "--topic", "t", "--group", "g", "--output", "s3://bucket/some/prefix"])
+    assert result.exit_code == 0, result.output
+    output = captured[0].output
+    assert not isinstance(output, Path)
+    assert output.url == "s3://bucket/some/prefix/"
+    assert captured[0].redacted()["output"] == "s3://bucket/some/prefix"
+    assert not any(tmp_path.iterdir())

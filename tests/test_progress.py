@@ -52,3 +52,24 @@ def test_not_a_terminal_logs_periodically(
     lines = [r.getMessage() for r in caplog.records]
     assert 2 <= len(lines) <= 4  # every 10 s, not every update
     assert "3,000 records" in lines[-1] and "100 records/s" in lines[-1]
+
+
+def test_log_lines_are_periodic_and_the_last_is_not_repeated(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    bar = Progress("producing", None, stream=io.StringIO(), log_every_s=10)
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
+        now[0] += 1
+        bar.update(10)  # too soon after the start for a line
+        now[0] += 10
+        bar.update(500)  # a line
+        bar.close()  # nothing new: no second line
+        assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+            "500 records, 45 records/s, elapsed 00:11"
+        ]
+        now[0] += 1
+        bar.update(600)
+        bar.close()  # news since the last line: one more
+    assert len(caplog.records) == 2

@@ -199,6 +199,7 @@ def test_named_topics_and_a_group_that_never_committed(
     with pytest.raises(PipelineError, match="no committed offsets") as caught:
         collect_status(kafka_settings, group_id)
     assert not isinstance(caught.value, BrokerUnavailable | TopicMissing)
+    assert caught.value.exit_code == 64  # a usage error, like a misspelt --group
 
 
 @pytest.mark.integration

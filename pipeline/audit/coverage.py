@@ -32,7 +32,7 @@ class DamagedFile:
     @classmethod
     def of(cls, damaged: DamagedSegment) -> DamagedFile:
         key = damaged.segment.key
-        return cls(str(damaged.segment.path), key.topic, key.partition, key.first, damaged.reason)
+        return cls(damaged.segment.where, key.topic, key.partition, key.first, damaged.reason)
 
     def to_dict(self) -> dict[str, Any]:
         return {"file": self.path, "first": self.first, "reason": self.reason}

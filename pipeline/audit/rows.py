@@ -48,7 +48,7 @@ def _read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
             try:
                 table, info = read_rows(segment, ["topic", "partition", "offset"])
             except FileNotFoundError:
-                found.warnings.append(f"{segment.path} vanished while reading (quarantined?)")
+                found.warnings.append(f"{segment.where} vanished while reading (quarantined?)")
                 continue
             except DamagedSegment as exc:
                 found.damaged.setdefault(key, []).append(DamagedFile.of(exc))
@@ -57,7 +57,7 @@ def _read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
             for row_key, offsets in _offsets_by_partition(table, key):
                 if row_key != key:
                     found.warnings.append(
-                        f"{segment.path} holds rows of {row_key[0]}[{row_key[1]}]"
+                        f"{segment.where} holds rows of {row_key[0]}[{row_key[1]}]"
                     )
                 chunks[row_key].append(offsets)
     for key, parts in chunks.items():

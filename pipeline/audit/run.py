@@ -15,8 +15,8 @@ from pipeline.audit.ranges import Key
 from pipeline.audit.report import audit_report
 from pipeline.audit.rows import read_output_rows
 from pipeline.config import KafkaSettings
-from pipeline.errors import ConfigError, PipelineError, TopicMissing
-from sinks.layout import vectors_dir
+from pipeline.errors import ConfigError, TopicMissing
+from sinks.layout import describe, has_vectors
 from sinks.segments import pending_notes
 
 
@@ -32,8 +32,10 @@ def run_audit(
     """Audits `output` against the committed offsets of `group`; one JSON-able dict."""
     if not group.strip():
         raise ConfigError("give the consumer group to audit (--group)")
-    if not vectors_dir(output).is_dir():
-        raise ConfigError(f"{output} is not an output directory (it has no vectors/ folder)")
+    if not has_vectors(output):
+        raise ConfigError(
+            f"{describe(output)} is not an output directory (it has no vectors/ folder)"
+        )
     warnings: list[str] = []
     with cluster.admin_client(kafka) as admin:
         committed = {
@@ -86,7 +88,8 @@ def resolve_topics(
         return names
     names = sorted({topic for topic, _ in committed})
     if not names:
-        raise PipelineError(
+        # The user named a group with nothing to report: a usage error (64), not a bug (70).
+        raise ConfigError(
             f"consumer group {group!r} has no committed offsets (it does not exist or "
             "never committed); check --group, or name the topics with --topic"
         )

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipeline.audit.coverage import Coverage, check_coverage, output_coverage
-from sinks.layout import INDEX_META_FILE, index_dir, vectors_dir
+from sinks.index_files import index_files
+from sinks.layout import Output, describe, has_vectors
 
 Key = tuple[str, int]
 
@@ -55,12 +55,12 @@ class PartitionOutput:
 
 
 def output_facts(
-    output: Path, committed: Mapping[Key, int], keys: Sequence[Key]
+    output: Output, committed: Mapping[Key, int], keys: Sequence[Key]
 ) -> tuple[dict[Key, PartitionOutput], list[str]]:
     """Per partition of `keys`, what the output holds; plus warnings (damaged files, ...)."""
     warnings: list[str] = []
-    if not vectors_dir(output).is_dir():
-        warnings.append(f"{output} has no vectors/ folder: no segments")
+    if not has_vectors(output):
+        warnings.append(f"{describe(output)} has no vectors/ folder: no segments")
     wanted = {k: committed[k] for k in keys if k in committed}
     coverage = output_coverage(output, wanted, {topic for topic, _ in keys})
     entries, problem = index_entries(output)
@@ -77,17 +77,18 @@ def output_facts(
     return facts, warnings
 
 
-def index_entries(output: Path) -> tuple[dict[Key, int], str | None]:
+def index_entries(output: Output) -> tuple[dict[Key, int], str | None]:
     """Vectors per partition in the index's metadata; a problem line if unreadable."""
-    path = index_dir(output) / INDEX_META_FILE
-    if not path.is_file():
-        return {}, None
+    files = index_files(output)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8")).get("entries") or {}
+        text = files.meta_text()
+        if text is None:
+            return {}, None
+        raw = json.loads(text).get("entries") or {}
         entries = {}
         for name, count in raw.items():
             topic, _, partition = name.rpartition(":")
             entries[(topic, int(partition))] = int(count)
         return entries, None
     except (OSError, ValueError, AttributeError, TypeError) as exc:
-        return {}, f"cannot read {path}: {exc}"
+        return {}, f"cannot read the index metadata in {files.where}: {exc}"
