@@ -69,7 +69,8 @@ def peak_rss_mb(kafka: KafkaSettings, topic: str, extra: str, args: argparse.Nam
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
         "run", "--topic", topic, "--group", group, "--output", str(output), "--until-end",
         "--model", args.model, "--precision", args.precision, "--device", "cpu",
-        "--no-progress", *shlex.split(extra),
+        # The sample is cycled: the embedding cache would serve every repeat.
+        "--no-progress", "--cache", "off", *shlex.split(extra),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log = Path(args.work) / f"{group}.log"

@@ -128,7 +128,8 @@ def start_worker(kafka: KafkaSettings, topic: str, output: Path, args: Any, extr
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
         "run", "--topic", topic, "--group", f"nearline-{uuid.uuid4().hex[:8]}",
         "--output", str(output), "--model", args.model, "--precision", args.precision,
-        "--device", "cpu", "--no-progress", *shlex.split(extra),
+        # The sample is cycled on long runs: the embedding cache would serve the repeats.
+        "--device", "cpu", "--no-progress", "--cache", "off", *shlex.split(extra),
     ]  # fmt: skip
     log = open(output.parent / f"{output.name}.log", "w")  # noqa: SIM115
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

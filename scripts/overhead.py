@@ -103,7 +103,8 @@ def pipe(
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
         "run", "--topic", topic, "--group", group, "--output", str(work / group),
         "--until-end", "--model", model, "--precision", "fp32", "--device", "cpu",
-        "--no-progress",
+        # The sample is cycled: the embedding cache would serve every repeat.
+        "--no-progress", "--cache", "off",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if encoder != "auto":
