@@ -222,7 +222,7 @@ class Worker:
         model = self._model
         self.embedder = model.result() if isinstance(model, Future) else model
         # Before anything is consumed: one output holds one model's vectors.
-        check_output_model(self.config.output, self.embedder.info, str(self.config.output))
+        check_output_model(self.config.output, self.embedder.info)
         self.parquet = ParquetSink(self.config.output, self.embedder.info)
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
 

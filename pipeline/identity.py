@@ -61,15 +61,15 @@ def recorded_model(output: Any) -> dict[str, str] | None:
     """The model an output's vectors were made with: the `embedding.*` metadata of
     one segment's footer (the last by name), or None when the output holds none.
 
-    The one place that reads it: one footer, through sinks.segments' reader (which
-    knows local directories and object stores alike)."""
+    The one place that reads it: one footer, through sinks.segments.read_schema
+    (a local file, or one ranged GET on an object store)."""
     from sinks.layout import iter_segments
-    from sinks.segments import DamagedSegment
+    from sinks.segments import DamagedSegment, read_schema
 
     segments = list(iter_segments(output))
     for segment in reversed(segments[-_FOOTERS_TRIED:]):
         try:
-            schema = _footer_schema(segment)
+            schema = read_schema(segment)
         except FileNotFoundError:
             continue  # merged away by a compaction meanwhile
         except (DamagedSegment, OSError, ValueError, pa.ArrowException) as exc:
@@ -86,19 +86,6 @@ def recorded_model(output: Any) -> dict[str, str] | None:
     return None
 
 
-def _footer_schema(segment: Any) -> pa.Schema:
-    """A segment's schema and key-value metadata, from its footer alone: through
-    sinks.segments.read_schema (local files and object stores) where it exists."""
-    from sinks import segments
-
-    reader = getattr(segments, "read_schema", None)
-    if reader is not None:
-        return reader(segment)
-    import pyarrow.parquet as pq
-
-    return pq.read_schema(segment.path)
-
-
 def differences(recorded: Mapping[str, str], model: ModelInfo) -> list[str]:
     """What differs between an output's recorded model and `model`, as phrases."""
     ours = model.as_metadata()
@@ -113,13 +100,16 @@ def differences(recorded: Mapping[str, str], model: ModelInfo) -> list[str]:
     return found
 
 
-def check_output_model(output: Any, model: ModelInfo, where: str) -> None:
+def check_output_model(output: Any, model: ModelInfo, where: str | None = None) -> None:
     """Refuses (OutputError) to add `model`'s vectors to an output made by another.
 
-    `where` names the output in the message (a directory or s3:// URL)."""
+    `where` names the output in the message (default: the directory or s3:// URL)."""
+    from sinks.layout import describe
+
     recorded = recorded_model(output)
     if recorded is None:
         return
+    where = where or describe(output)
     found = differences(recorded, model)
     if not found:
         if recorded.get("precision") != model.precision:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -45,9 +46,10 @@ def other(**changes: object) -> ModelInfo:
     return dataclasses.replace(MODEL, **changes)
 
 
-def publish_segment(output: Path, model: ModelInfo, first: int = 0, n: int = 3) -> Path:
+def publish_segment(output: Any, model: ModelInfo, first: int = 0, n: int = 3) -> Path:
     sink = ParquetSink(output, model)
-    sink.prepare()
+    if isinstance(output, Path):
+        sink.prepare()
     records = [
         GoodRecord(SourceRecord("t", 0, o, 0, None, b"{}"), f"text {o}", None, None)
         for o in range(first, first + n)
@@ -144,6 +146,22 @@ def test_damaged_and_vanished_footers_are_skipped(tmp_path: Path) -> None:
     assert recorded_model(tmp_path) is not None  # the older one answers
     with pytest.raises(OutputError, match="weights"):
         check_output_model(tmp_path, other(revision="sha256:ffffffffffffffff"), "out")
+
+
+@pytest.mark.integration
+@pytest.mark.s3
+def test_an_s3_output_is_checked_alike(s3_url: str) -> None:
+    """On an object store the record is one ranged read of the last object's footer."""
+    from sinks.objectstore import ObjectStore
+
+    store = ObjectStore.from_url(s3_url)
+    publish_segment(store, MODEL)
+    recorded = recorded_model(store)
+    assert recorded is not None and recorded["model_revision"] == MODEL.revision
+    check_output_model(store, other(precision="bf16"))
+    with pytest.raises(OutputError) as caught:
+        check_output_model(store, other(document_prompt="passage: "))
+    assert str(caught.value).startswith(s3_url.rstrip("/") + " holds vectors of")
 
 
 # ------------------------------------------------------------- on the real broker
