@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 
 import faiss
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from pipeline.records import SourceRecord
@@ -34,6 +33,7 @@ from tests.helpers import (
     committed_offsets,
     corpus_records,
     duplicates,
+    output_rows,
     publish_json,
     worker_args,
     worker_env,
@@ -82,19 +82,6 @@ def mirror(url: str, dest: Path) -> Path:
     return dest
 
 
-def mirrored_rows(dest: Path) -> list[Row]:
-    rows: list[Row] = []
-    for path in sorted((dest / "vectors").glob("*.parquet")):
-        table = pq.read_table(path, columns=["topic", "partition", "offset"])
-        rows += zip(
-            table["topic"].to_pylist(),
-            table["partition"].to_pylist(),
-            table["offset"].to_pylist(),
-            strict=True,
-        )
-    return rows
-
-
 def mirrored_index_rows(dest: Path) -> list[Row]:
     """The entries of the newest manifest's shards, read with faiss itself."""
     manifests = sorted((dest / "index").glob("manifest-*.json"))
@@ -112,7 +99,7 @@ def mirrored_index_rows(dest: Path) -> list[Row]:
 
 def assert_every_offset_once(broker: str, topic: str, group: str, url: str, dest: Path) -> None:
     mirror(url, dest)
-    rows = mirrored_rows(dest)
+    rows = output_rows(dest)  # the mirror is laid out like a local output
     ends = partition_ends(broker, topic)
     expected = {(topic, p, o) for p, end in ends.items() for o in range(end)}
     assert duplicates(rows) == [], "doubled rows"
