@@ -461,6 +461,10 @@ class Worker:
         ]
         if not sources:
             return
+        if self._tiers is not None:
+            backfill = sum(1 for s in sources if s.topic in self._tiers.backfill_topics)
+            self.metrics.tier_records.labels(BACKFILL).inc(backfill)
+            self.metrics.tier_records.labels(NEARLINE).inc(len(sources) - backfill)
         parsed = [self.parser.parse(s) for s in sources]
         good = [p for p in parsed if isinstance(p, GoodRecord)]
         tokens = self.embedder.tokenize([g.text for g in good])
@@ -543,9 +547,10 @@ class Worker:
         m.backfill_waiting.set(int(waiting))
         m.backfill_pauses.inc(self._tiers.pauses - pauses_before)
         m.backfill_batch_records.set(records)
+        actual = set(self._consumer.paused())  # what the consumer holds, not what we asked
         for tier, owned in ((NEARLINE, nearline), (BACKFILL, backfill)):
-            m.tier_partitions.labels(tier, "paused").set(len(owned & wanted))
-            m.tier_partitions.labels(tier, "reading").set(len(owned - wanted))
+            m.tier_partitions.labels(tier, "paused").set(len(owned & actual))
+            m.tier_partitions.labels(tier, "reading").set(len(owned - actual))
         return paused
 
     def _close_caught_up_tiers(self, empty_poll: bool, timeout: int) -> None:

@@ -150,6 +150,12 @@ class WorkerMetrics:
             ["tier", "state"],
             registry=r,
         )
+        self.tier_records = Counter(
+            "pipeline_tier_records",
+            "Records polled and taken into batches, by tier (nearline, backfill)",
+            ["tier"],
+            registry=r,
+        )
         self.backfill_batch_records = Gauge(
             "pipeline_backfill_batch_records",
             "Records per backfill batch now (about --backfill-batch-ms of embedding)",
