@@ -84,6 +84,11 @@ class InFlight:
         with self._cond:
             return len(self._batches)
 
+    def count(self, where: Callable[[set[TopicPartitionKey]], bool]) -> int:
+        """Batches whose partitions satisfy `where` (consumers.tiers: backfill ones)."""
+        with self._cond:
+            return sum(1 for keys in self._batches.values() if where(keys))
+
     def clear(self) -> None:
         with self._cond:
             self._batches.clear()

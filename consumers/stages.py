@@ -88,8 +88,8 @@ class Stage(threading.Thread):
 
 
 class EmbedStage(Stage):
-    # Told (records, seconds) of each batch embedded: consumers.tiers sizes backfill by it.
-    on_embedded: Callable[[int, float], None] | None = None
+    # Told of each batch embedded, with its seconds: consumers.tiers sizes backfill by it.
+    on_embedded: Callable[[MicroBatch, float], None] | None = None
 
     def __init__(
         self,
@@ -133,7 +133,7 @@ class EmbedStage(Stage):
                 self.metrics.padding_efficiency.set(stats.padding_efficiency)
             self.metrics.batch_tokens.observe(tokens.total_tokens)
         if item.good and self.on_embedded is not None:
-            self.on_embedded(len(item.good), stats.seconds)
+            self.on_embedded(item, stats.seconds)
         self.put(self.outbox, EmbeddedBatch(item, vectors, stats))
 
 

@@ -19,14 +19,15 @@ outputs end):
   had already fetched of a paused partition for when it resumes.
 - **Backfill batches are short.** A backfill batch closes at about
   `--backfill-batch-ms` of embedding (records/s measured on the worker's own
-  batches, `EmbedRate`), and a poll takes no more records than one such batch
-  while any backfill partition is fetchable; so the backfill work ahead of a
+  backfill batches, `EmbedRate`), and a poll takes no more records than one such
+  batch while any backfill partition is fetchable; so the backfill work ahead of a
   nearline record is at most the batch being embedded.
 - **Nearline batches go first** in the embed queue (`TierQueue`); batches never
   mix tiers (`TieredBatcher`), and a partition has one tier, so each partition's
   batches still reach the writer in order.
-- **Nearline keeps fetching** until one batch more than `--max-in-flight` is out;
-  backfill pauses at `--max-in-flight`.
+- **Each tier has `--max-in-flight` batches of its own** before its partitions
+  pause: a nearline trickle closes a small batch at every poll, and with shared
+  slots those would keep the backfill paused for good.
 
 Tiers are per worker: in a group, the assignor may leave one worker with
 backfill partitions only, and that worker runs them at full speed. The tier of
@@ -141,6 +142,17 @@ class Tiers:
     def commit_metadata(self, key: TopicPartitionKey) -> str:
         return commit_metadata(self.tier_of(key))
 
+    def holds_backfill(self, keys: Iterable[TopicPartitionKey]) -> bool:
+        """Whether a batch covering these partitions is a backfill batch."""
+        return any(self.is_backfill(key) for key in keys)
+
+    def embedded(self, batch: MicroBatch, seconds: float) -> None:
+        """The embed stage's report of a batch: backfill ones (the size this class
+        chooses) measure the rate; a one-record nearline batch would only tell the
+        cost of a pass."""
+        if self.holds_backfill(batch.ranges):
+            self.rate.add(len(batch.good), seconds)
+
     def split(self, partitions: Iterable[TopicPartition]) -> tuple[set[Any], set[Any]]:
         """(nearline, backfill) partitions."""
         nearline: set[TopicPartition] = set()
@@ -250,8 +262,7 @@ class TierQueue(queue.Queue):
 
 def batch_is_backfill(tiers: Tiers) -> Callable[[Any], bool]:
     def is_backfill(batch: Any) -> bool:
-        ranges = getattr(batch, "ranges", None) or {}
-        return any(tiers.is_backfill(key) for key in ranges)
+        return tiers.holds_backfill(getattr(batch, "ranges", None) or {})
 
     return is_backfill
 

@@ -146,8 +146,8 @@ class Worker:
                 config.backfill_topics, config.backfill_batch_ms / 1000, config.batch_size
             )
             self.batcher = TieredBatcher.around(self._tiers, self.batcher)
-            # Nearline batches go first; one more may be out (see _tier_pauses).
-            self._embed_q = TierQueue(config.max_in_flight + 2, batch_is_backfill(self._tiers))
+            # Nearline batches go first; each tier has --max-in-flight (see _tier_pauses).
+            self._embed_q = TierQueue(2 * config.max_in_flight + 1, batch_is_backfill(self._tiers))
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
         self._committer: OffsetCommitter | None = None
@@ -335,7 +335,7 @@ class Worker:
         )
         self._stages = [embed, write]
         if self._tiers is not None:
-            embed.on_embedded = self._tiers.rate.add  # sizes backfill batches
+            embed.on_embedded = self._tiers.embedded  # sizes backfill batches
         if self.config.compact_interval_s > 0 and not is_local(self.config.output):
             log.info("compaction: off, as the output is on an object store (not supported yet)")
         elif self.config.compact_interval_s > 0:
@@ -520,20 +520,22 @@ class Worker:
 
     def _tier_pauses(self) -> int:
         """With --backfill-topic: backfill waits while nearline has lag (with
-        hysteresis, consumers.tiers) or at --max-in-flight batches out; nearline
-        pauses at one more. Reconciled with the consumer's own paused set before
-        every poll, so the pauses hold on whatever a rebalance assigned."""
+        hysteresis, consumers.tiers); each tier pauses at --max-in-flight batches of
+        its own out (a trickle's small nearline batches must not take the backfill's
+        slots). Reconciled with the consumer's own paused set before every poll, so
+        the pauses hold on whatever a rebalance assigned."""
         assert self._consumer is not None and self._reader is not None
         assert self._tiers is not None and isinstance(self.batcher, TieredBatcher)
         nearline, backfill = self._tiers.split(self._consumer.assignment())
         lag = fetch_lag(self._consumer, nearline)
         pauses_before = self._tiers.pauses
         waiting = self._tiers.observe(lag)
-        out = len(self.in_flight)
+        backfill_out = self.in_flight.count(self._tiers.holds_backfill)
+        nearline_out = len(self.in_flight) - backfill_out
         wanted: set[TopicPartition] = set()
-        if waiting or out >= self.config.max_in_flight:
+        if waiting or backfill_out >= self.config.max_in_flight:
             wanted |= backfill
-        if out > self.config.max_in_flight:
+        if nearline_out >= self.config.max_in_flight:
             wanted |= nearline
         paused = self._reader.pause_only(wanted)
         unpark_resumed(self._consumer)

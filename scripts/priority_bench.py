@@ -172,7 +172,8 @@ def one_run(
         "load_after": [round(x, 2) for x in load_after],
     }
     with cluster.admin_client(kafka) as admin:
-        admin.delete_topics([live])
+        existing = set(admin.list_topics())
+        admin.delete_topics([t for t in (live, f"{live}.dlq") if t in existing])
     return result
 
 

@@ -127,6 +127,16 @@ def test_backfill_batches_follow_the_measured_embed_rate() -> None:
     assert slow.backfill_records() == MIN_BACKFILL_RECORDS
 
 
+def test_only_backfill_batches_measure_the_rate() -> None:
+    tiers = make_tiers()
+    tiers.embedded(batch(LIVE, 1), 0.05)  # a nearline batch: the cost of one pass
+    assert tiers.rate.records_per_s() is None
+    backfill = batch(CORPUS, 2)
+    backfill.good.extend(record(CORPUS, o)[0] for o in range(100))
+    tiers.embedded(backfill, 0.5)
+    assert tiers.backfill_records() == 200
+
+
 def test_embed_rate_ignores_empty_batches() -> None:
     rate = EmbedRate()
     assert rate.records_per_s() is None
@@ -279,6 +289,17 @@ def test_embed_queue_takes_nearline_batches_first_each_tier_in_order() -> None:
     q.put(batch(LIVE, 5))
     assert q.qsize() == 5
     assert [q.get().number for _ in range(5)] == [3, 5, 1, 2, 4]
+
+
+def test_in_flight_batches_are_counted_per_tier() -> None:
+    tiers = make_tiers()
+    ownership = Ownership()
+    ownership.in_flight.started(1, [(LIVE, 0)])
+    ownership.in_flight.started(2, [(CORPUS, 0), (CORPUS, 1)])
+    ownership.in_flight.started(3, [(CORPUS, 1)])
+    assert ownership.in_flight.count(tiers.holds_backfill) == 2
+    ownership.in_flight.finished(2)
+    assert ownership.in_flight.count(tiers.holds_backfill) == 1 and len(ownership.in_flight) == 2
 
 
 def record(topic: str, offset: int) -> tuple[GoodRecord, list[int]]:
