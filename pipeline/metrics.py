@@ -121,7 +121,8 @@ class WorkerMetrics:
         )
         self.cache_remote_up = Gauge(
             "pipeline_cache_remote_up",
-            "1 while the shared cache answers, 0 after a failed call (until one succeeds)",
+            "1 while the shared cache (Redis) answers; 0 after a failed call until one "
+            "succeeds, and where there is none",
             registry=r,
         )
         self.cache_entries = Gauge(

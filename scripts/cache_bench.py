@@ -21,7 +21,7 @@ It also checks that the outputs agree: the same rows, and vectors within fp32's 
 bits of the cache-off run's (`max |delta|`).
 
     .venv/bin/python scripts/cache_bench.py [--records 3000] [--repeat-share 0.3]
-        [--rounds 3] [--precision fp32] [--model default] [--batch-size 4096]
+        [--rounds 3] [--precision fp32] [--model default] [--batch-size 512]
         [--partitions 3] [--redis URL | --no-redis] [--json FILE] [--keep]
 """
 
@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="fp32")
     p.add_argument("--device", default="auto")
     p.add_argument("--model", default="default")
-    p.add_argument("--batch-size", type=int, default=4096)
+    # Smaller than the worker's default, so that repeats fall in other batches too (the
+    # LRU's case, and a nearline worker's) as well as in their own.
+    p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--partitions", type=int, default=3)
     p.add_argument(
         "--bootstrap-servers",
