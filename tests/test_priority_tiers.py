@@ -40,6 +40,8 @@ from tests.helpers import (
     index_rows,
     output_rows,
     publish_json,
+    publish_raw,
+    read_topic,
     start_worker,
     stop,
     worker_env,
@@ -242,16 +244,26 @@ def partition_ends(bootstrap: str, topic: str) -> dict[int, int]:
 def assert_every_offset_of_every_topic_once(
     bootstrap: str, topics: Sequence[str], group: str, output: Path
 ) -> None:
+    """Rows and dead letters (in the first nearline topic's .dlq, as the worker sends
+    them, backfill ones too) together hold every offset of the topics, once."""
     rows = output_rows(output)
     assert duplicates(rows) == [], "doubled rows"
+    dead = [
+        (h["source.topic"], int(h["source.partition"]), int(h["source.offset"]))
+        for h in (
+            {k: v.decode() for k, v in record.headers}
+            for record in read_topic(bootstrap, f"{topics[0]}.dlq")
+        )
+    ]
+    assert duplicates(dead) == [] and not set(dead) & set(rows), "doubled dead letters"
     expected = set()
     for topic in topics:
         ends = partition_ends(bootstrap, topic)
         expected |= {(topic, p, o) for p, end in ends.items() for o in range(end)}
         assert committed_offsets(bootstrap, group, topic) == ends, f"commits of {topic}"
-    missing = expected - set(rows)
+    missing = expected - set(rows) - set(dead)
     assert not missing, f"{len(missing)} offsets lost, e.g. {sorted(missing)[:5]}"
-    assert set(rows) == expected
+    assert set(rows) | set(dead) == expected
     assert sorted(index_rows(output)) == sorted(rows)
     audit = subprocess.run(
         [*PIPELINE, "audit", "--output", str(output), "--group", group, "--json"],
@@ -264,7 +276,7 @@ def assert_every_offset_of_every_topic_once(
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
 
 
-def status_tiers(bootstrap: str, group: str) -> dict[str, set[Any]]:
+def status_report(bootstrap: str, group: str) -> dict[str, Any]:
     result = subprocess.run(
         [*PIPELINE, "status", "--group", group, "--json"],
         env=worker_env(bootstrap),
@@ -274,7 +286,10 @@ def status_tiers(bootstrap: str, group: str) -> dict[str, set[Any]]:
         timeout=120,
     )
     assert result.returncode in (0, 1, 2, 3), result.stderr
-    report = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+def tiers_of(report: dict[str, Any]) -> dict[str, set[Any]]:
     tiers: dict[str, set[Any]] = {}
     for row in report["partitions"]:
         tiers.setdefault(row["topic"], set()).add(row["tier"])
@@ -295,6 +310,8 @@ def test_nearline_first_while_a_large_backfill_waits(
     live, corpus = make_topic(2, prefix="live"), make_topic(2, prefix="corpus")
     backfill = 8_000
     publish_json(broker, corpus, corpus_records(backfill), partitions=2)  # ids doc-N
+    bad = [(None, b"{not json"), (None, b'{"text": "  "}'), (b"k", None)]  # dead letters
+    publish_raw(broker, corpus, bad, partitions=2)
     out, log, port = tmp_path / "out", tmp_path / "worker.log", free_port()
     worker = start_worker(
         broker,
@@ -320,6 +337,7 @@ def test_nearline_first_while_a_large_backfill_waits(
             wait_until(lambda: seen.count("doc-") > 0, 300, "backfill to start", [worker], log)
             # More than the worker takes in (--max-in-flight + 1 batches): fetch lag.
             burst = produce(broker, live, texts[:2000], None, 2, "burst-")
+            publish_raw(broker, live, bad[:2], partitions=2)
             wait_until(lambda: seen.count("burst-") == len(burst), 300, "the burst", [worker], log)
             burst_done = len(metrics.samples)
             steady = produce(broker, live, texts[2000:2150], 10.0, 2, "live-")
@@ -351,11 +369,14 @@ def test_nearline_first_while_a_large_backfill_waits(
     assert p90 < 10.0, f"nearline p90 {p90:.1f}s with a backfill of {backfill_left} waiting"
     # The backfill resumed and finished, each record polled once.
     assert samples[-1][1][WAITING] == 0 and samples[-1][1][PAUSES] >= 1
-    assert samples[-1][1][BACKFILL_RECORDS] == backfill
+    assert samples[-1][1][BACKFILL_RECORDS] == backfill + len(bad)
     text = log.read_text()
     assert "backfill waits: nearline lag" in text and "backfill resumes" in text
     assert_every_offset_of_every_topic_once(broker, [live, corpus], group_id, out)
-    assert status_tiers(broker, group_id) == {live: {"nearline"}, corpus: {"backfill"}}
+    report = status_report(broker, group_id)
+    assert tiers_of(report) == {live: {"nearline"}, corpus: {"backfill"}}
+    # The worker's dead-letter topic, found from the tiers: its nearline topic's .dlq.
+    assert report["dead_letter"] == {"topic": f"{live}.dlq", "records": 5}
 
 
 def test_pauses_hold_through_a_member_joining_and_leaving(
@@ -445,4 +466,4 @@ def test_pauses_hold_through_a_member_joining_and_leaving(
     )
     assert a.samples[-1][1][WAITING] == 0  # backfill resumed, and finished
     assert_every_offset_of_every_topic_once(broker, [live, corpus], group_id, out)
-    assert status_tiers(broker, group_id) == {live: {"nearline"}, corpus: {"backfill"}}
+    assert tiers_of(status_report(broker, group_id)) == {live: {"nearline"}, corpus: {"backfill"}}

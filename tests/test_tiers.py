@@ -163,6 +163,16 @@ def test_tiers_of_partitions_and_commit_metadata() -> None:
     assert tier_from_metadata("something else") is None
 
 
+def test_audit_tells_nearline_commits() -> None:
+    from kafka.structs import OffsetAndMetadata
+
+    from pipeline.audit.run import is_nearline
+
+    assert is_nearline(OffsetAndMetadata(5, "tier=nearline", -1))
+    assert not is_nearline(OffsetAndMetadata(5, "tier=backfill", -1))
+    assert not is_nearline(OffsetAndMetadata(5, "", -1))
+
+
 class CommitRecorder:
     def __init__(self) -> None:
         self.commits: list[dict[TopicPartition, Any]] = []

@@ -38,12 +38,12 @@ def run_audit(
         )
     warnings: list[str] = []
     with cluster.admin_client(kafka) as admin:
-        committed = {
-            (tp.topic, tp.partition): offset
-            for tp, offset in cluster.group_offsets(admin, kafka, group).items()
-        }
+        commits = cluster.group_commits(admin, kafka, group)
+        committed = {(tp.topic, tp.partition): meta.offset for tp, meta in commits.items()}
         names = resolve_topics(group, topics, committed)
-        dead_topic = dlq_topic or f"{names[0]}.dlq"
+        # A tiered worker's dead letters go to its (first) nearline topic's .dlq.
+        nearline = {tp.topic for tp, meta in commits.items() if is_nearline(meta)}
+        dead_topic = dlq_topic or f"{next((t for t in names if t in nearline), names[0])}.dlq"
         described = cluster.describe_partitions(admin, kafka, [*names, dead_topic])
     names = present_topics(names, described, named=topics is not None, warnings=warnings)
     keys = [(t, p) for t in names for p in described[t] or []]
@@ -75,6 +75,13 @@ def run_audit(
     warnings.extend(_dead_letter_warnings(dead))
     warnings.extend(_quarantine_warnings(output, names))
     return audit_report(group, names, output, dead, audits, warnings)
+
+
+def is_nearline(commit: Any) -> bool:
+    """Whether a commit's metadata names the nearline tier (consumers.tiers)."""
+    from consumers.tiers import NEARLINE, tier_from_metadata
+
+    return tier_from_metadata(getattr(commit, "metadata", None)) == NEARLINE
 
 
 def resolve_topics(

@@ -57,7 +57,9 @@ def collect_status(
     with reads.open_admin(kafka) as admin:
         committed, tiers = reads.committed_and_tiers(admin, kafka, group, deadline)
         names = resolve_topics(group, topics, committed)
-        dead_topic = dlq_topic or f"{names[0]}.dlq"
+        # A tiered worker's dead letters go to its (first) nearline topic's .dlq.
+        nearline = {t for (t, _), tier in tiers.items() if tier == "nearline"}
+        dead_topic = dlq_topic or f"{next((t for t in names if t in nearline), names[0])}.dlq"
         partitions = reads.partitions_of(admin, kafka, [*names, dead_topic], deadline)
         group_info = reads.describe_group(admin, kafka, group, deadline)
     names = present_topics(names, partitions, named=topics is not None, warnings=warnings)
