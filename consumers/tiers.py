@@ -22,9 +22,11 @@ outputs end):
   backfill batches, `EmbedRate`), and a poll takes no more records than one such
   batch while any backfill partition is fetchable; so the backfill work ahead of a
   nearline record is at most the batch being embedded.
-- **Nearline batches go first** in the embed queue (`TierQueue`); batches never
-  mix tiers (`TieredBatcher`), and a partition has one tier, so each partition's
-  batches still reach the writer in order.
+- **Nearline batches go first** in the embed queue (`TierQueue`), alternating
+  with backfill batches when both wait, and a new nearline batch closes only once
+  the previous one is being embedded (so a trickle on a busy CPU makes few batches,
+  not one per poll); batches never mix tiers (`TieredBatcher`), and a partition has
+  one tier, so each partition's batches still reach the writer in order.
 - **Each tier has `--max-in-flight` batches of its own** before its partitions
   pause: a nearline trickle closes a small batch at every poll, and with shared
   slots those would keep the backfill paused for good.
@@ -236,7 +238,15 @@ def unpark_resumed(consumer: KafkaConsumer) -> bool:
 
 
 class TierQueue(queue.Queue):
-    """The embed stage's inbox: nearline batches before backfill ones, each tier FIFO.
+    """The embed stage's inbox: nearline batches first, each tier FIFO.
+
+    Not twice in a row while a backfill batch waits, though: with strict priority,
+    a nearline trickle on a busy CPU keeps the embed stage on one small nearline
+    batch after another (each pass has a fixed cost) and the backfill gets nothing.
+    Alternating when both wait costs a nearline record at most one backfill batch
+    (about --backfill-batch-ms), and the nearline records arriving meanwhile make one
+    batch (the worker closes a new nearline batch only once the one waiting here
+    has been taken, `nearline_waiting`), not many small ones.
 
     A partition has one tier and a batch one tier, so every partition's batches
     still leave in the order they came.
@@ -249,6 +259,7 @@ class TierQueue(queue.Queue):
     def _init(self, maxsize: int) -> None:
         self._first: collections.deque[Any] = collections.deque()
         self._later: collections.deque[Any] = collections.deque()
+        self._took_backfill = True  # so nearline goes first
 
     def _qsize(self) -> int:
         return len(self._first) + len(self._later)
@@ -257,7 +268,16 @@ class TierQueue(queue.Queue):
         (self._later if self._is_backfill(item) else self._first).append(item)
 
     def _get(self) -> Any:
-        return self._first.popleft() if self._first else self._later.popleft()
+        if self._first and (self._took_backfill or not self._later):
+            self._took_backfill = False
+            return self._first.popleft()
+        self._took_backfill = True
+        return self._later.popleft()
+
+    def nearline_waiting(self) -> bool:
+        """Whether a nearline batch waits here, not yet taken by the embed stage."""
+        with self.mutex:
+            return bool(self._first)
 
 
 def batch_is_backfill(tiers: Tiers) -> Callable[[Any], bool]:
@@ -280,6 +300,9 @@ class TieredBatcher:
         self.tiers = tiers
         self.nearline = make() if nearline is None else nearline
         self.backfill = make()
+        # While true, the open nearline batch does not close by age (the worker: a
+        # nearline batch still waits for the embed stage); its size limits still apply.
+        self.hold_nearline: Callable[[], bool] = lambda: False
 
     @classmethod
     def around(cls, tiers: Tiers, batcher: Batcher) -> TieredBatcher:
@@ -333,11 +356,13 @@ class TieredBatcher:
 
     def due(self) -> MicroBatch | None:
         # `is None`, not `or`: a batch may cover offsets and hold no record (len 0).
-        batch = self.nearline.due()
+        batch = None if self.hold_nearline() else self.nearline.due()
         return self.backfill.due() if batch is None else batch
 
     def seconds_until_due(self) -> float | None:
-        waits = [b.seconds_until_due() for b in (self.nearline, self.backfill)]
+        held = self.hold_nearline()  # a held batch is not due: no busy polling for it
+        waits = [b.seconds_until_due() for b in ([] if held else [self.nearline])]
+        waits.append(self.backfill.seconds_until_due())
         known = [w for w in waits if w is not None]
         return min(known) if known else None
 

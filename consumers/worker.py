@@ -147,7 +147,10 @@ class Worker:
             )
             self.batcher = TieredBatcher.around(self._tiers, self.batcher)
             # Nearline batches go first; each tier has --max-in-flight (see _tier_pauses).
-            self._embed_q = TierQueue(2 * config.max_in_flight + 1, batch_is_backfill(self._tiers))
+            inbox = TierQueue(2 * config.max_in_flight + 1, batch_is_backfill(self._tiers))
+            self._embed_q = inbox
+            # A nearline batch closes only once the one before it is being embedded.
+            self.batcher.hold_nearline = inbox.nearline_waiting
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
         self._committer: OffsetCommitter | None = None
@@ -564,6 +567,8 @@ class Worker:
             (self.batcher.nearline, nearline),
             (self.batcher.backfill, backfill),
         ):
+            if batcher is self.batcher.nearline and self.batcher.hold_nearline():
+                continue  # the previous nearline batch still waits: this one grows
             if batcher.is_open and self._caught_up(empty_poll, timeout, only=owned):
                 batch = batcher.flush(CloseReason.CAUGHT_UP)
                 assert batch is not None

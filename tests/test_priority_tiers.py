@@ -335,6 +335,17 @@ def test_nearline_first_while_a_large_backfill_waits(
     try:
         with Visibility(out) as seen, Metrics(port) as metrics:
             wait_until(lambda: seen.count("doc-") > 0, 300, "backfill to start", [worker], log)
+            # Enough backfill for a minute at this machine's pace (shared CPUs vary 10x).
+            began, done = time.monotonic(), seen.count("doc-")
+            time.sleep(3)
+            rate = (seen.count("doc-") - done) / (time.monotonic() - began)
+            extra = int(rate * 60) - (backfill - seen.count("doc-"))
+            if extra > 0:
+                more = corpus_records(extra, seed=5)
+                for n, r in enumerate(more):
+                    r["id"] = f"doc-{backfill + n}"
+                publish_json(broker, corpus, more, partitions=2)
+                backfill += extra
             # More than the worker takes in (--max-in-flight + 1 batches): fetch lag.
             burst = produce(broker, live, texts[:2000], None, 2, "burst-")
             publish_raw(broker, live, bad[:2], partitions=2)
@@ -346,6 +357,9 @@ def test_nearline_first_while_a_large_backfill_waits(
                 lambda: seen.count("live-") == len(steady), 300, "steady records", [worker], log
             )
             wait_until(lambda: seen.count("doc-") == backfill, 600, "the backfill", [worker], log)
+            wait_until(
+                lambda: metrics.samples[-1][1][WAITING] == 0, 60, "backfill resumed", [worker], log
+            )
             visible = seen.times()
         assert stop(worker) == 0, tail(log)
     finally:
@@ -444,6 +458,9 @@ def test_pauses_hold_through_a_member_joining_and_leaving(
                 "every record",
                 [first],
                 logs[0],
+            )
+            wait_until(
+                lambda: a.samples[-1][1][WAITING] == 0, 60, "backfill to resume", [first], logs[0]
             )
         assert stop(first) == 0, tail(logs[0])
     finally:

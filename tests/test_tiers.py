@@ -292,13 +292,21 @@ def batch(topic: str, number: int) -> MicroBatch:
     return b
 
 
-def test_embed_queue_takes_nearline_batches_first_each_tier_in_order() -> None:
+def test_embed_queue_takes_nearline_first_alternating_while_backfill_waits() -> None:
     q = TierQueue(10, batch_is_backfill(make_tiers()))
     for item in (batch(CORPUS, 1), batch(CORPUS, 2), batch(LIVE, 3), batch(CORPUS, 4)):
         q.put(item)
     q.put(batch(LIVE, 5))
-    assert q.qsize() == 5
-    assert [q.get().number for _ in range(5)] == [3, 5, 1, 2, 4]
+    assert q.qsize() == 5 and q.nearline_waiting()
+    # Nearline first, never twice in a row while backfill waits; each tier in order.
+    assert [q.get().number for _ in range(3)] == [3, 1, 5]
+    assert not q.nearline_waiting()
+    q.put(batch(LIVE, 6))
+    q.put(batch(LIVE, 7))
+    assert [q.get().number for _ in range(4)] == [2, 6, 4, 7]
+    q.put(batch(LIVE, 8))
+    q.put(batch(LIVE, 9))
+    assert [q.get().number for _ in range(2)] == [8, 9]  # no backfill waits: nearline only
 
 
 def test_in_flight_batches_are_counted_per_tier() -> None:
@@ -350,6 +358,22 @@ def test_flush_and_due_close_one_tier_at_a_time_even_an_empty_batch() -> None:
     flushed = batcher.flush(CloseReason.SHUTDOWN)
     assert flushed is not None and set(flushed.ranges) == {(LIVE, 0)}
     assert batcher.flush(CloseReason.SHUTDOWN) is None
+
+
+def test_a_held_nearline_batch_does_not_close_by_age() -> None:
+    clock = Clock()
+    batcher = TieredBatcher.around(make_tiers(clock), Batcher(100, 10_000, 0.5, clock=clock))
+    held = [True]
+    batcher.hold_nearline = lambda: held[0]
+    batcher.start((LIVE, 0), 0)
+    batcher.add([record(LIVE, 0)], lambda key: 1)
+    clock.now += 1.0
+    assert batcher.due() is None  # overdue, but the previous nearline batch still waits
+    assert batcher.seconds_until_due() is None  # and the poll loop does not spin on it
+    held[0] = False
+    assert batcher.seconds_until_due() == 0
+    due = batcher.due()
+    assert due is not None and set(due.ranges) == {(LIVE, 0)}
 
 
 # -- configuration -------------------------------------------------------------------------
