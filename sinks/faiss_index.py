@@ -86,8 +86,9 @@ _PARTITION_SHIFT = 40
 _MAX_TOPICS = 1 << 7
 _MAX_PARTITIONS = 1 << 16
 _OFFSET_MASK = (1 << _PARTITION_SHIFT) - 1
-# Commits a sync may lose in a row to other writers before it gives up (object stores).
-_COMMIT_ATTEMPTS = 8
+# Commits a sync may lose in a row to other writers before it gives up (object stores);
+# the backoff grows, so a loaded machine with several writers still gets through.
+_COMMIT_ATTEMPTS = 20
 T = TypeVar("T")
 
 
@@ -186,7 +187,7 @@ class IndexStore:
                         f"the index at {self.files.where} changed under {tries} commits in a "
                         "row; too many writers syncing at once: try again"
                     ) from None
-                time.sleep(random.uniform(0.05, 0.5) * tries)
+                time.sleep(random.uniform(0.05, 0.5) * min(tries, 10))
         stats.seconds = time.perf_counter() - started
         self.last_sync = stats
         return stats.added
