@@ -219,17 +219,16 @@ class ObjectIndexFiles:
             if path.name not in listed:
                 path.unlink(missing_ok=True)
         self._list()
-        manifests = self._manifests()
-        kept = manifests[-(KEEP_MANIFESTS + 1) :]
-        named = set(listed)
-        for manifest in kept:
-            named |= self._shards_named_by(manifest)
+        kept = self._manifests()[-(KEEP_MANIFESTS + 1) :]
         old = time.time() - GRACE_S
-        for name, info in self._listing.items():
-            old_manifest = _MANIFEST.match(name) is not None and name not in kept
-            unnamed_shard = is_index_file(name) and name not in named
-            if (old_manifest or unnamed_shard) and info.modified < old:
-                self.store.delete(f"{INDEX_DIR}/{name}")
+        stale = {name for name, info in self._listing.items() if info.modified < old}
+        old_manifests = {n for n in stale if _MANIFEST.match(n) and n not in kept}
+        shards = {n for n in stale if is_index_file(n) and n not in listed}
+        if shards:  # only then are the kept manifests worth reading (a sync's usual case)
+            for manifest in kept:
+                shards -= self._shards_named_by(manifest)
+        for name in sorted(old_manifests | shards):
+            self.store.delete(f"{INDEX_DIR}/{name}")
 
     def _shards_named_by(self, manifest: str) -> set[str]:
         try:
