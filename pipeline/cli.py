@@ -33,7 +33,13 @@ from pipeline.config import (
     load_toml,
 )
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.host import CpuPlan, plan_cpu, start_on_fresh_thread, usable_cpus
+from pipeline.host import (
+    CpuPlan,
+    plan_cpu,
+    start_on_fresh_thread,
+    usable_cpus,
+    use_one_malloc_arena,
+)
 
 if TYPE_CHECKING:
     from pipeline.embedder import Embedder
@@ -452,6 +458,12 @@ def _run_worker(config: WorkerConfig) -> None:
     # Tokenizing overlaps the model's forward passes on other threads; a parallel
     # tokenizer would only contend with them for the same cores (measured: -8%).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Before any other thread starts: free memory goes back to the OS in full after
+    # each batch, and a backlog's passes do not leave it behind (pipeline.host).
+    # Not where CUDA may serve: there up to eight tokenizer threads allocate at
+    # once, and one arena's lock would serialise them (not measured on a GPU host).
+    if config.device == "cpu" or (config.device == "auto" and not _nvidia_present()):
+        use_one_malloc_arena()
     from consumers.worker import run_worker
     from pipeline.metrics import WorkerMetrics
 
@@ -472,6 +484,11 @@ def _run_worker(config: WorkerConfig) -> None:
         if model.done() and model.exception() is None:
             model.result().close()
     click.echo(f"done: {summary}", err=True)
+
+
+def _nvidia_present() -> bool:
+    """Whether an NVIDIA driver is loaded, without importing torch (seconds)."""
+    return os.path.exists("/dev/nvidiactl")
 
 
 def _load_model(config: WorkerConfig, plan: CpuPlan) -> Embedder:

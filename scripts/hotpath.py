@@ -25,7 +25,9 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -34,6 +36,17 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+
+def split_variant(extra: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's leading NAME=value words (upper-case names) are environment
+    variables for the worker, the rest its extra flags: `MALLOC_ARENA_MAX=8 --replicas 1`."""
+    words = shlex.split(extra)
+    env: dict[str, str] = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
 
 
 def stream_texts(count: int) -> list[str]:

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import shlex
 import subprocess
 import sys
 import time
@@ -30,6 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from hotpath import split_variant  # noqa: E402
 
 from pipeline import cluster  # noqa: E402
 from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
@@ -64,15 +66,16 @@ def publish(kafka: KafkaSettings, count: int) -> str:
 
 def peak_rss_mb(kafka: KafkaSettings, topic: str, extra: str, args: argparse.Namespace) -> dict:
     group = f"memory-{uuid.uuid4().hex[:8]}"
+    variant_env, flags = split_variant(extra)
     output = Path(args.work) / group
     command = [
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
         "run", "--topic", topic, "--group", group, "--output", str(output), "--until-end",
         "--model", args.model, "--precision", args.precision, "--device", "cpu",
         # The sample is cycled: the embedding cache would serve every repeat.
-        "--no-progress", "--cache", "off", *shlex.split(extra),
+        "--no-progress", "--cache", "off", *flags,
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **variant_env}
     log = Path(args.work) / f"{group}.log"
     began = time.monotonic()
     done = subprocess.run(

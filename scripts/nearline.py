@@ -17,7 +17,7 @@ Each run also samples the worker's RSS once a second over the timed part: its
 first and last sample and its highest, for memory over a long nearline run
 (e.g. `--seconds 3600 --busy 0 --variants default=`).
 
-A variant is NAME=EXTRA WORKER FLAGS; `before` is the layout workers had before
+A variant is NAME=[ENV=VALUE ...] EXTRA WORKER FLAGS; `before` is the layout workers had before
 replicas and bucketed shapes (one replica with a team of two threads).
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from hotpath import Busy  # noqa: E402
+from hotpath import Busy, split_variant  # noqa: E402
 
 from pipeline import cluster  # noqa: E402
 from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
@@ -124,15 +123,16 @@ class RssSampler(Watcher):
 
 
 def start_worker(kafka: KafkaSettings, topic: str, output: Path, args: Any, extra: str) -> Any:
+    variant_env, flags = split_variant(extra)
     command = [
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
         "run", "--topic", topic, "--group", f"nearline-{uuid.uuid4().hex[:8]}",
         "--output", str(output), "--model", args.model, "--precision", args.precision,
         # The sample is cycled on long runs: the embedding cache would serve the repeats.
-        "--device", "cpu", "--no-progress", "--cache", "off", *shlex.split(extra),
+        "--device", "cpu", "--no-progress", "--cache", "off", *flags,
     ]  # fmt: skip
     log = open(output.parent / f"{output.name}.log", "w")  # noqa: SIM115
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **variant_env}
     return subprocess.Popen(command, stdout=log, stderr=log, env=env)
 
 

@@ -130,3 +130,49 @@ def test_releasing_free_memory_gives_pages_back() -> None:
     before, after = (int(n) for n in done.stdout.split())
     page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
     assert (before - after) * page_mb > 100  # of the ~200 MB freed
+
+
+_THREAD_HEAPS = (
+    "import sys, threading\n"
+    "from pipeline.host import use_one_malloc_arena\n"
+    "if sys.argv[1] == 'one':\n"
+    "    assert use_one_malloc_arena()\n"
+    "def heaps():\n"  # glibc's thread heaps: anonymous read-write mappings on 64 MiB
+    "    n = 0\n"
+    "    for line in open('/proc/self/maps'):\n"
+    "        fields = line.split()\n"
+    "        start = int(fields[0].split('-')[0], 16)\n"
+    "        n += len(fields) == 5 and fields[1][:2] == 'rw' and start % (64 << 20) == 0\n"
+    "    return n\n"
+    "before = heaps()\n"
+    "def work():\n"
+    "    blocks = [bytearray(100_000) for _ in range(64)]\n"
+    "    del blocks\n"
+    "threads = [threading.Thread(target=work) for _ in range(4)]\n"
+    "for t in threads:\n"
+    "    t.start()\n"
+    "for t in threads:\n"
+    "    t.join()\n"
+    "print(before, heaps())\n"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's arenas")
+def test_with_one_malloc_arena_threads_allocate_from_the_main_heap() -> None:
+    """The worker's threads share glibc's main heap, whose free pages malloc_trim
+    gives back in full; by default each thread gets a heap of its own."""
+
+    def thread_heaps(mode: str) -> tuple[int, int]:
+        done = subprocess.run(
+            [sys.executable, "-c", _THREAD_HEAPS, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        before, after = (int(n) for n in done.stdout.split())
+        return before, after
+
+    default = thread_heaps("default")
+    assert default[1] > default[0]  # the mechanism the setting turns off
+    assert thread_heaps("one") == (0, 0)
