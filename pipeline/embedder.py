@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline import wordpiece
 from pipeline.errors import ModelError
 from pipeline.host import CpuPlan, release_free_memory
 from pipeline.shapes import Pass, ShapePlan, pass_defaults
@@ -56,6 +57,11 @@ TRIM_AFTER_BYTES = 2 << 20
 # "transformers" (to compare against, or to step around pipeline.bert).
 ENCODER_ENV = "PIPELINE_ENCODER"
 ENCODERS = ("auto", "native", "transformers")
+# Which tokenizer serves ASCII texts on the CPU: "auto" (pipeline.wordpiece where the
+# model's tokenizer is BERT's WordPiece and the check at load agrees) or "rust"
+# (the Rust tokenizer for every text, to compare against).
+TOKENIZER_ENV = "PIPELINE_TOKENIZER"
+TOKENIZERS = ("auto", "rust")
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,13 @@ class Embedder:
         # was the worker's ceiling with a fast model (and is a GPU's).
         self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
+        # On the CPU the tokenizer takes cores from the model: the ASCII fast path
+        # (pipeline.wordpiece) costs a sixth of the Rust tokenizer's CPU time. On
+        # CUDA the tokenizer threads are the ceiling, and the Rust ones run
+        # outside the GIL, side by side.
+        self._ascii: wordpiece.AsciiWordPiece | None = None
+        if info.device == "cpu" and _tokenizer_choice() == "auto":
+            self._ascii = wordpiece.for_tokenizer(self._fast, info.max_length)
         self._pad_id = tokenizer.pad_token_id or 0
         # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
         self._pool = ThreadPoolExecutor(
@@ -374,7 +387,9 @@ class Embedder:
         prompt = self.info.document_prompt if prompt is None else prompt
         if prompt:
             texts = [prompt + text for text in texts]
-        if len(texts) < 2 * TOKENIZE_CHUNK or self.tokenizer_threads == 1:
+        if self._ascii is not None:
+            ids, truncated = self._encode_ascii_first(texts, self._ascii)
+        elif len(texts) < 2 * TOKENIZE_CHUNK or self.tokenizer_threads == 1:
             ids, truncated = self._encode(texts)
         else:
             chunks = [texts[i : i + TOKENIZE_CHUNK] for i in range(0, len(texts), TOKENIZE_CHUNK)]
@@ -388,6 +403,27 @@ class Embedder:
     def _encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
         encodings = self._fast.encode_batch(texts, add_special_tokens=True)
         return [e.ids for e in encodings], sum(1 for e in encodings if e.overflowing)
+
+    def _encode_ascii_first(
+        self, texts: list[str], fast: wordpiece.AsciiWordPiece
+    ) -> tuple[list[list[int]], int]:
+        ids: list[list[int]] = []
+        truncated = 0
+        others: list[int] = []
+        for i, text in enumerate(texts):
+            if fast.handles(text):
+                one, cut = fast.encode(text)
+                ids.append(one)
+                truncated += cut
+            else:
+                ids.append([])
+                others.append(i)
+        if others:
+            other_ids, other_truncated = self._encode([texts[i] for i in others])
+            for i, one in zip(others, other_ids, strict=True):
+                ids[i] = one
+            truncated += other_truncated
+        return ids, truncated
 
     def _tokenizer_pool(self) -> ThreadPoolExecutor:
         if self._tokenizers is None:
@@ -512,6 +548,13 @@ def _load_transformers(path: Path) -> tuple[Any, Any]:
 def _is_native(model: Any) -> bool:
     """pipeline.bert's encoder (int8-quantised or not): returns the hidden state itself."""
     return bool(getattr(model, "returns_hidden_state", False))
+
+
+def _tokenizer_choice() -> str:
+    choice = os.environ.get(TOKENIZER_ENV, "auto").strip().lower() or "auto"
+    if choice not in TOKENIZERS:
+        raise ModelError(f"{TOKENIZER_ENV}={choice!r}: expected one of {', '.join(TOKENIZERS)}")
+    return choice
 
 
 def activation_bytes_per_token(model: Any) -> int:

@@ -20,7 +20,9 @@ STAGE_DECODE = "decode"
 STAGE_VALIDATE = "validate"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ costs six times a plain one's (2.3 µs
+# against 0.4), paid for every record; nothing mutates these after parsing.
+@dataclass(slots=True)
 class SourceRecord:
     """What the worker keeps of a consumed Kafka record."""
 
@@ -32,7 +34,7 @@ class SourceRecord:
     value: bytes | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GoodRecord:
     source: SourceRecord
     text: str
@@ -40,7 +42,7 @@ class GoodRecord:
     metadata: str | None  # the other JSON fields, re-serialised
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BadRecord:
     source: SourceRecord
     stage: str
@@ -86,22 +88,26 @@ class RecordParser:
         if not isinstance(text, str):
             kind = type(text).__name__
             return _bad(source, STAGE_VALIDATE, "TextNotString", f"{self.text_field!r} is a {kind}")
-        if not text.strip():
+        if not text or text.isspace():
             return _bad(source, STAGE_VALIDATE, "EmptyText", f"{self.text_field!r} is blank")
-        size = len(text.encode("utf-8"))
-        if size > self.max_text_bytes:
-            return _bad(
-                source,
-                STAGE_VALIDATE,
-                "TextTooLarge",
-                f"text is {size} bytes, over the cap of {self.max_text_bytes}",
-            )
+        # A character is at most 4 bytes in UTF-8: short texts need no encoding to tell.
+        if len(text) > self.max_text_bytes // 4:
+            size = len(text.encode("utf-8"))
+            if size > self.max_text_bytes:
+                return _bad(
+                    source,
+                    STAGE_VALIDATE,
+                    "TextTooLarge",
+                    f"text is {size} bytes, over the cap of {self.max_text_bytes}",
+                )
         record_id = obj.get(self.id_field)
         if record_id is not None and not isinstance(record_id, str):
             # Numeric ids are common upstream; keep them, as strings.
             record_id = json.dumps(record_id)
-        rest = {k: v for k, v in obj.items() if k not in (self.text_field, self.id_field)}
-        metadata = json.dumps(rest, ensure_ascii=False) if rest else None
+        metadata = None
+        if len(obj) > (self.id_field in obj) + 1:  # fields besides text and id
+            rest = {k: v for k, v in obj.items() if k != self.text_field and k != self.id_field}
+            metadata = json.dumps(rest, ensure_ascii=False)
         return GoodRecord(source, text, record_id, metadata)
 
 

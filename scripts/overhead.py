@@ -5,20 +5,22 @@ One run, one fresh topic of short JSON records, side by side:
 
   (bare) kafka-python's KafkaConsumer from the beginning, `json.loads` of every value,
          until every record was read: what no pipeline can beat on this host;
-  (pipe) `pipeline run --until-end` with a tiny random BERT (scripts/tiny_model.py:
-         the model costs almost nothing), a fresh group and output: records/s from
-         its `done:` line (first record to last commit), and start-up, from process
+  (pipe) `pipeline run --until-end` with a random BERT (scripts/tiny_model.py; `--tiny
+         nano` by default: one layer of 8 dimensions, the model costs almost nothing;
+         `--tiny tiny` costs about as much as the tokenizer), a fresh group and output:
+         records/s from its `done:` line (first record to last commit), and start-up, from process
          start to the first record polled (its log line).
 
 The ratio pipe/bare is the share of Kafka's own speed the pipeline keeps; the target
 is at least 0.5. Rounds alternate (--repeat N) and the medians are compared.
 
---encoders native,transformers runs the pipeline once per encoder in every round
-(PIPELINE_ENCODER, see pipeline.embedder), to compare pipeline.bert with
-transformers' BertModel side by side; the default runs it once, as configured.
+--variants runs the pipeline once per variant in every round: NAME=[ENV=VALUE ...]
+[WORKER FLAGS], e.g. "fast=;rust=PIPELINE_TOKENIZER=rust" (the ASCII WordPiece fast
+path against the Rust tokenizer) or "native=;transformers=PIPELINE_ENCODER=transformers".
 
     .venv/bin/python scripts/overhead.py [--records 50000] [--partitions 3] [--repeat 3]
-        [--encoders auto] [--bootstrap-servers 127.0.0.1:9092] [--json FILE]
+        [--variants "default="] [--tiny nano|tiny] [--bootstrap-servers 127.0.0.1:9092]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from hotpath import split_variant  # noqa: E402
 
 from pipeline import cluster  # noqa: E402
 from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
@@ -96,19 +101,18 @@ def bare(kafka: KafkaSettings, topic: str, records: int) -> float:
 
 
 def pipe(
-    kafka: KafkaSettings, topic: str, records: int, model: str, work: Path, encoder: str
+    kafka: KafkaSettings, topic: str, records: int, model: str, work: Path, extra: str
 ) -> dict:
+    variant_env, flags = split_variant(extra)
     group = f"overhead-{uuid.uuid4().hex[:8]}"
     command = [
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
         "run", "--topic", topic, "--group", group, "--output", str(work / group),
         "--until-end", "--model", model, "--precision", "fp32", "--device", "cpu",
         # The sample is cycled: the embedding cache would serve every repeat.
-        "--no-progress", "--cache", "off",
+        "--no-progress", "--cache", "off", *flags,
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if encoder != "auto":
-        env["PIPELINE_ENCODER"] = encoder
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **variant_env}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     if done.returncode != 0:
         raise SystemExit(f"overhead: pipeline run failed:\n{done.stderr[-3000:]}")
@@ -124,47 +128,51 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
-        "--encoders",
-        default="auto",
-        help="comma-separated PIPELINE_ENCODER values, each run every round [auto]",
+        "--variants",
+        default="default=",
+        help="NAME=[ENV=VALUE ...] [WORKER FLAGS];... each run every round",
     )
+    parser.add_argument(
+        "--tiny", choices=("nano", "tiny"), default="nano",
+        help="the random model (scripts/tiny_model.py): nano costs close to nothing",
+    )  # fmt: skip
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    encoders = [e.strip() for e in args.encoders.split(",") if e.strip()]
+    variants = dict(v.split("=", 1) for v in args.variants.split(";") if v.strip())
     kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers)
     model = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "tiny_model.py")],
+        [sys.executable, str(REPO / "scripts" / "tiny_model.py"), f"--{args.tiny}"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     topic = publish(kafka, args.records, args.partitions)
     bares: list[float] = []
-    pipes: dict[str, list[dict[str, Any]]] = {encoder: [] for encoder in encoders}
+    pipes: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="overhead-") as work:
         for n in range(args.repeat):
             bares.append(bare(kafka, topic, args.records))
             line = f"round {n + 1}: bare {bares[-1]:,.0f} records/s"
-            for encoder in encoders:
-                got = pipe(kafka, topic, args.records, model, Path(work), encoder)
-                pipes[encoder].append(got)
+            for name, extra in variants.items():
+                got = pipe(kafka, topic, args.records, model, Path(work), extra)
+                pipes[name].append(got)
                 line += (
-                    f", pipeline{_label(encoder)} {got['rate']:,.0f} records/s, "
+                    f", pipeline ({name}) {got['rate']:,.0f} records/s, "
                     f"start-up {got['startup_s']:.1f}s"
                 )
             print(line, flush=True)
     bare_rate = statistics.median(bares)
-    # The first encoder's figures stay at the top level, as before --encoders.
-    report: dict[str, Any] = {"bare": bares, "encoders": {}}
-    for encoder, runs in pipes.items():
+    # The first variant's figures are also at the top level.
+    report: dict[str, Any] = {"bare": bares, "variants": {}}
+    for name, runs in pipes.items():
         pipe_rate = statistics.median(p["rate"] for p in runs)
         startup = statistics.median(p["startup_s"] for p in runs)
         print(
             f"{args.records} records, {args.partitions} partitions: bare consume+parse "
-            f"{bare_rate:,.0f}/s, pipeline (tiny model{_label(encoder)}) {pipe_rate:,.0f}/s, "
+            f"{bare_rate:,.0f}/s, pipeline ({args.tiny} model, {name}) {pipe_rate:,.0f}/s, "
             f"ratio {pipe_rate / bare_rate:.2f} (target >= 0.5); start-up to first record "
             f"{startup:.1f}s (target <= 5)"
         )
-        report["encoders"][encoder] = {"pipeline": runs, "ratio": pipe_rate / bare_rate}
+        report["variants"][name] = {"pipeline": runs, "ratio": pipe_rate / bare_rate}
         report.setdefault("pipeline", runs)
         report.setdefault("ratio", pipe_rate / bare_rate)
     if args.json:
@@ -172,10 +180,6 @@ def main() -> int:
     with cluster.admin_client(kafka) as admin:
         admin.delete_topics([topic])
     return 0
-
-
-def _label(encoder: str) -> str:
-    return "" if encoder == "auto" else f", {encoder}"
 
 
 if __name__ == "__main__":
