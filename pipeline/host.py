@@ -213,3 +213,12 @@ def start_on_fresh_thread(fn: Callable[[], T], name: str = "fresh") -> Future[T]
 def call_on_fresh_thread(fn: Callable[[], T], name: str = "fresh") -> T:
     """fn() on a new thread, joined; its exception, if any, is raised here."""
     return start_on_fresh_thread(fn, name).result()
+
+
+def fsync_dir(directory: Path) -> None:
+    """Makes a rename or a new file in `directory` durable (the entry, not the data)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import ModelError
+from pipeline.host import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def convert_atomically(source: Path, target: Path, origin: str) -> None:
             if not (target / "model.safetensors").is_file():
                 raise
             log.info("%s: another process converted it first", target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except OSError as exc:
         raise ModelError(f"cannot write the converted {NAME} to {target}: {exc}") from exc
     finally:
@@ -425,14 +426,6 @@ def _write_json(path: Path, value: Any) -> None:
 def _fsync(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

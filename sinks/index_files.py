@@ -143,11 +143,35 @@ class LocalIndexFiles:
                 path.unlink(missing_ok=True)
 
 
+_SCRATCH_PREFIX = "pipeline-index-"
+
+
+def _remove_scratch_of_dead_processes() -> None:
+    """Scratch folders of workers that were killed (their finalizer never ran): named
+    with the pid, removed once no process has it. A pid reused since only delays it."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(_SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
+
+
 class ObjectIndexFiles:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.where = f"{describe(store)}/{INDEX_DIR}"
-        self.directory = Path(tempfile.mkdtemp(prefix="pipeline-index-"))
+        _remove_scratch_of_dead_processes()
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-"))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._lock = threading.Lock()
         self._listing: dict[str, ObjectInfo] = {}

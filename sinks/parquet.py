@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
+from pipeline.host import fsync_dir
 from pipeline.records import GoodRecord
 from sinks.layout import TMP_SUFFIX, VECTORS_DIR, Output, SegmentKey, vectors_dir, vectors_key
 from sinks.segments import segment_metadata
@@ -223,14 +224,6 @@ def _write(table: pa.Table, sink: Any) -> None:
         use_dictionary=["topic"],
         use_byte_stream_split=[EMBEDDING_LEAF],
     )
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def output_error(exc: OSError, path: Path) -> OutputError:

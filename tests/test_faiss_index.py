@@ -602,3 +602,26 @@ def test_index_check_measures_recall_of_a_trained_index_now(out: Output) -> None
     flat = IndexStore(out.root)
     flat.rebuild()
     assert check_index(out.root, recall=True).measured_recall_at_10 == pytest.approx(1.0)
+
+
+def test_scratch_folders_of_killed_workers_are_removed(tmp_path, monkeypatch) -> None:
+    """An object-store index keeps local scratch copies in TMPDIR; a SIGKILLed worker
+    cannot remove its folder, so the next worker on the machine does."""
+    import os
+    import subprocess
+    import sys
+
+    from sinks import index_files
+
+    monkeypatch.setattr(index_files.tempfile, "gettempdir", lambda: str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = tmp_path / f"pipeline-index-{gone.stdout.strip()}-abc"
+    alive = tmp_path / f"pipeline-index-{os.getpid()}-def"
+    other = tmp_path / "pipeline-index-notapid"
+    for folder in (dead, alive, other):
+        folder.mkdir()
+        (folder / "shard.faiss").write_bytes(b"x")
+    index_files._remove_scratch_of_dead_processes()
+    assert not dead.exists()
+    assert alive.exists() and other.exists()
