@@ -46,7 +46,7 @@ from pipeline.cache import EmbeddingCache, open_cache
 from pipeline.config import WorkerConfig
 from pipeline.embedder import Embedder
 from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
-from pipeline.host import process_age_s
+from pipeline.host import freeze_start_up_objects, process_age_s
 from pipeline.identity import check_output_model
 from pipeline.metrics import WorkerMetrics
 from pipeline.progress import Progress
@@ -228,6 +228,7 @@ class Worker:
         check_output_model(self.config.output, self.embedder.info)
         self.parquet = ParquetSink(self.config.output, self.embedder.info)
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
+        freeze_start_up_objects()
 
     def _preflight(self) -> dict[TopicPartition, int]:
         """Checks the cluster and the output before the group is joined; returns the commits."""

@@ -381,24 +381,31 @@ class Embedder:
 
     def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
         """Token ids in the texts' order, each text after `prompt` (None: the document
-        prompt), so the prompt's tokens count against max_length and every budget;
-        large batches in chunks on several threads (the Rust tokenizer lets go of the
-        GIL), small ones on the caller's."""
+        prompt), so the prompt's tokens count against max_length and every budget.
+        ASCII texts through pipeline.wordpiece where it applies (on the caller's
+        thread), the others through the Rust tokenizer."""
         prompt = self.info.document_prompt if prompt is None else prompt
         if prompt:
             texts = [prompt + text for text in texts]
         if self._ascii is not None:
             ids, truncated = self._encode_ascii_first(texts, self._ascii)
-        elif len(texts) < 2 * TOKENIZE_CHUNK or self.tokenizer_threads == 1:
-            ids, truncated = self._encode(texts)
         else:
-            chunks = [texts[i : i + TOKENIZE_CHUNK] for i in range(0, len(texts), TOKENIZE_CHUNK)]
-            ids, truncated = [], 0
-            for chunk_ids, chunk_truncated in self._tokenizer_pool().map(self._encode, chunks):
-                ids += chunk_ids
-                truncated += chunk_truncated
+            ids, truncated = self._encode_rust(texts)
         lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
         return Tokenized(ids, lengths, truncated)
+
+    def _encode_rust(self, texts: list[str]) -> tuple[list[list[int]], int]:
+        """Large batches in chunks on several threads (the Rust tokenizer lets go of
+        the GIL), small ones on the caller's."""
+        if len(texts) < 2 * TOKENIZE_CHUNK or self.tokenizer_threads == 1:
+            return self._encode(texts)
+        chunks = [texts[i : i + TOKENIZE_CHUNK] for i in range(0, len(texts), TOKENIZE_CHUNK)]
+        ids: list[list[int]] = []
+        truncated = 0
+        for chunk_ids, chunk_truncated in self._tokenizer_pool().map(self._encode, chunks):
+            ids += chunk_ids
+            truncated += chunk_truncated
+        return ids, truncated
 
     def _encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
         encodings = self._fast.encode_batch(texts, add_special_tokens=True)
@@ -419,7 +426,7 @@ class Embedder:
                 ids.append([])
                 others.append(i)
         if others:
-            other_ids, other_truncated = self._encode([texts[i] for i in others])
+            other_ids, other_truncated = self._encode_rust([texts[i] for i in others])
             for i, one in zip(others, other_ids, strict=True):
                 ids[i] = one
             truncated += other_truncated
