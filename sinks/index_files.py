@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from pipeline.errors import OutputError
+from pipeline.host import process_alive
 from sinks.index_shards import IndexMeta, is_index_file
 from sinks.layout import INDEX_DIR, INDEX_META_FILE, Output, describe, index_dir
 
@@ -151,19 +152,9 @@ def _remove_scratch_of_dead_processes() -> None:
     with the pid, removed once no process has it. A pid reused since only delays it."""
     for path in Path(tempfile.gettempdir()).glob(f"{_SCRATCH_PREFIX}*-*"):
         pid = path.name[len(_SCRATCH_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or process_alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # someone else's process
-    return True
 
 
 class ObjectIndexFiles:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from pipeline.host import process_alive
 from sinks.layout import TMP_SUFFIX
 
 HOST = socket.gethostname().replace(".", "_")
@@ -82,7 +83,7 @@ def _writer_is_dead(directory: Path, writer: list[str]) -> bool:
     host, pid = writer[0], int(writer[1])
     if host != HOST:
         return False  # no lock to ask and another host: only age tells
-    return pid == os.getpid() or not _alive(pid)
+    return pid == os.getpid() or not process_alive(pid)
 
 
 def _lock_state(lock: Path) -> bool | None:
@@ -109,13 +110,3 @@ def _remove_dead_locks(directory: Path) -> None:
     for lock in locks.glob(f"*{LOCK_SUFFIX}"):
         if lock.name != f"{WRITER}{LOCK_SUFFIX}" and _lock_state(lock) is False:
             lock.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
