@@ -147,6 +147,10 @@ def _from_spec(spec: dict[str, Any], max_length: int) -> AsciiWordPiece | None:
         return None
     if any(token not in vocab for token in cls_sep) or max_length < 2:
         return None
+    # Added tokens are matched in the raw text before anything else: texts with "["
+    # go to the Rust tokenizer, so only tokens that contain one can be left to it.
+    if any("[" not in added.get("content", "") for added in spec.get("added_tokens") or []):
+        return None
     return AsciiWordPiece(
         vocab,
         lowercase=bool(normalizer.get("lowercase")),

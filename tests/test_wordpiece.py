@@ -103,6 +103,9 @@ def test_other_tokenizer_pipelines_are_refused(embedder: Embedder) -> None:
     assert wordpiece.for_tokenizer(base, length) is not None
     # Control characters kept, another pre-tokenizer, another model: not BERT's pipeline.
     assert wordpiece.for_tokenizer(_with(base, normalizer__clean_text=False), length) is None
+    with_word = Tokenizer.from_str(base.to_str())
+    with_word.add_tokens(["pipeline"])  # matched whole, even inside "pipelines"
+    assert wordpiece.for_tokenizer(with_word, length) is None
     other = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     other.normalizer = normalizers.Lowercase()
     other.pre_tokenizer = pre_tokenizers.Whitespace()
