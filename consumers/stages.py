@@ -30,7 +30,7 @@ from pipeline.errors import PipelineError
 from pipeline.host import release_free_memory
 from pipeline.metrics import WorkerMetrics
 from pipeline.records import BadRecord, GoodRecord
-from sinks.compaction import compact
+from sinks.compact_process import compact_in_child
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
 from sinks.layout import SegmentKey
@@ -296,7 +296,9 @@ def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
 
 
 class CompactStage(Stage):
-    """Merges small segments every `interval_s` (sinks.compaction), off the hot path.
+    """Merges small segments every `interval_s` (sinks.compaction), off the hot path:
+    in a child process (sinks.compact_process), so that neither its CPU work nor its
+    buffers stay with the worker.
 
     Compaction is upkeep: when it cannot run (another worker is compacting, the
     filesystem cannot exchange directories, the disk is full) the worker goes on
@@ -321,13 +323,13 @@ class CompactStage(Stage):
             return
         self._last = time.monotonic()
         try:
-            report = compact(self.output, self.target_bytes, should_stop=self.stop_event.is_set)
+            report = compact_in_child(self.output, self.target_bytes, self.stop_event)
         except PipelineError as exc:
             if str(exc) not in self._warned:
                 self._warned.add(str(exc))
                 log.warning("compaction skipped: %s", exc)
             return
-        if report.runs:
+        if report is not None and report.runs:
             log.info(
                 "compaction: %d segments merged into %d (%d rows) in %.1fs",
                 report.merged_files,

@@ -196,6 +196,8 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
         "rss_first_mb": rss.samples[0] if rss.samples else None,
         "rss_last_mb": rss.samples[-1] if rss.samples else None,
         "rss_max_mb": max(rss.samples) if rss.samples else None,
+        # One sample a minute, to tell steady growth from a saw-tooth (JSON only).
+        "rss_per_minute_mb": rss.samples[::60],
     }
     with cluster.admin_client(kafka) as admin:
         admin.delete_topics([topic])

@@ -15,7 +15,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.errors import OutputError
 from sinks import compaction as compaction_mod
+from sinks.compact_process import compact_in_child
 from sinks.compaction import compact
 from sinks.faiss_index import IndexStore
 from sinks.index_check import check_index
@@ -283,3 +285,24 @@ def test_workers_compacting_as_they_run_keep_every_offset_once(
     assert ranged, "no compaction happened while the workers ran"
     assert len(list(iter_segments(out))) < 1600 // 8 / 2
     assert check_index(out).ok
+
+
+def test_a_worker_compacts_in_a_child_process_that_stops_when_asked(out: Output) -> None:
+    fill(out, segments=200, rows=50)
+    before = all_columns(out.root)
+    stopped = threading.Event()
+    stopped.set()  # asked to stop at once: nothing changes, nothing is left behind
+    assert compact_in_child(out.root, 128 << 20, stopped) is None
+    assert all_columns(out.root) == before
+    assert len(list(iter_segments(out.root))) == 400
+    report = compact_in_child(out.root, 128 << 20, threading.Event())
+    assert report is not None and (report.runs, report.merged_files) == (2, 400)
+    assert all_columns(out.root) == before
+    assert sorted(p.name for p in out.root.iterdir() if p.name.startswith(".compact-")) == []
+    assert not any(p.name.startswith(".vectors.next-") for p in out.root.iterdir())
+
+
+def test_a_failed_compaction_child_reports_its_one_line_reason(tmp_path: Path) -> None:
+    with pytest.raises(OutputError) as failed:
+        compact_in_child(tmp_path / "missing", 128 << 20, threading.Event())
+    assert "cannot use" in str(failed.value) and "\n" not in str(failed.value)
