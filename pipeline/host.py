@@ -22,6 +22,8 @@ import functools
 import gc
 import math
 import os
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -125,19 +127,36 @@ def use_one_malloc_arena() -> bool:
     """
     if "MALLOC_ARENA_MAX" in os.environ:
         return False  # the user's own choice, which glibc has applied already
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_ARENA_MAX, 1))
-    except (OSError, AttributeError):
+        return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, 1))
+    except AttributeError:
         return False  # not glibc
 
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
+    return getattr(_libc(), "malloc_trim", None)
+
+
+# prctl()'s option for the signal a process gets when its parent dies (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Asks Linux to send `signum` to this process when its parent dies; elsewhere a
+    no-op (an orphan then runs to its end). Check os.getppid() after: the parent
+    may have died before."""
+    prctl = getattr(_libc(), "prctl", None) if sys.platform.startswith("linux") else None
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
         return None
 
 

@@ -14,7 +14,6 @@ readable dataset, as compaction guarantees anyway.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -24,12 +23,12 @@ import threading
 from pathlib import Path
 
 from pipeline.errors import OutputError, PipelineError
+from pipeline.host import die_with_parent
 from sinks.compaction import CompactionReport, compact
 
 # How long a stopping child may take to finish the merge it is in.
 STOP_GRACE_S = 10.0
 _POLL_S = 0.2
-_PR_SET_PDEATHSIG = 1
 
 
 def compact_in_child(
@@ -74,7 +73,7 @@ def main() -> None:
     output, target_bytes, parent = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent:
         return  # the worker died before the death signal was armed
     try:
@@ -83,13 +82,3 @@ def main() -> None:
         print(exc, file=sys.stderr)
         sys.exit(1)
     print(json.dumps(report.as_dict()))
-
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # no prctl: an orphaned child finishes its compaction and exits
