@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pipeline.errors import IndexStateError, OutputError
+from sinks.flat_files import merge_flat_files
 from sinks.index_files import index_files
 from sinks.index_shards import (
     FLAT,
@@ -311,15 +312,32 @@ class IndexStore:
         """Merges tiers of small flat shards (see sinks.index_shards); bounded by the cap."""
         cap = self._merge_cap(meta.dim)
         while group := next_merge(meta.shards, cap):
-            merged = faiss_flat(meta.dim)
-            for shard in group:
-                vectors, ids = contents(self._read_shard(shard))
-                merged.add_with_ids(vectors, ids)
             name = names.next()
-            stats.bytes_written += write_checked(merged, self.directory / name)
+            size = self._merge_streaming(group, self.directory / name, meta.dim)
+            if size is None:
+                merged = faiss_flat(meta.dim)
+                for shard in group:
+                    vectors, ids = contents(self._read_shard(shard))
+                    merged.add_with_ids(vectors, ids)
+                size = write_checked(merged, self.directory / name)
+            stats.bytes_written += size
             stats.shards_merged += len(group)
             meta.shards = [s for s in meta.shards if s not in group]
-            meta.shards.append(Shard(name, int(merged.ntotal)))
+            meta.shards.append(Shard(name, sum(s.count for s in group)))
+
+    def _merge_streaming(self, group: list[Shard], target: Path, dim: int) -> int | None:
+        """The merged shard written from the files' bytes (sinks.flat_files), or None
+        where they must go through faiss."""
+        from sinks.parquet import output_error
+
+        sources = [(self.files.fetch(s.file), s.count) for s in group]
+        try:
+            return merge_flat_files(sources, target, dim)
+        except OSError as exc:
+            raise output_error(exc, target) from exc
+        finally:
+            for shard in group:
+                self.files.release(shard.file)
 
     # -- persistence -------------------------------------------------------------
 

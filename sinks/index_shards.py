@@ -299,15 +299,28 @@ class FlatShardWriter:
     def _flush(self) -> None:
         if not self._buffered:
             return
-        vectors = np.concatenate(self._vectors)
-        index = faiss_flat(vectors.shape[1])
-        index.add_with_ids(vectors, np.concatenate(self._ids))
-        self._vectors, self._ids = [], []
         name = self.names.next()
-        self.stats.bytes_written += write_checked(index, self.directory / name)
+        self.stats.bytes_written += self._write(self.directory / name)
+        self._vectors, self._ids = [], []
         self.stats.shards_written += 1
         self._written.append(Shard(name, self._buffered))
         self._buffered = 0
+
+    def _write(self, path: Path) -> int:
+        """Writes the buffered parts as they are: one gathered copy and a faiss index
+        of them would double a shard's memory."""
+        from sinks.flat_files import write_flat_file
+        from sinks.parquet import output_error
+
+        try:
+            size = write_flat_file(path, list(zip(self._vectors, self._ids, strict=True)))
+        except OSError as exc:
+            raise output_error(exc, path) from exc
+        if size is not None:
+            return size
+        index = faiss_flat(self._vectors[0].shape[1])
+        index.add_with_ids(np.concatenate(self._vectors), np.concatenate(self._ids))
+        return write_checked(index, path)
 
 
 def table_vectors(table: Any) -> np.ndarray:
@@ -316,4 +329,6 @@ def table_vectors(table: Any) -> np.ndarray:
     if len(column) == 0:
         return np.empty((0, 0), dtype=np.float32)
     dim = column.type.list_size
-    return column.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32)
+    return (
+        column.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32, copy=False)
+    )

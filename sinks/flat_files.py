@@ -1,0 +1,191 @@
+"""Merging flat shard files by streaming their bytes, without loading them.
+
+A merge through faiss holds every source's vectors and the merged index at once,
+and the merged vector grows by doubling: up to three times the shard cap (about
+100 MB at 32 MiB) on top of the worker's working set, whatever else it is doing.
+A flat shard file is a fixed header, the vectors, then the ids, so the merged
+file is the sources' vectors one after another, then their ids: copied in
+chunks, it costs a chunk of memory.
+
+The layout is not hard-coded: it is read off faiss's own serialisation of small
+indexes (the header's count fields and where the vectors and ids start), then an
+index assembled that way must equal faiss's bytes exactly. If this faiss writes
+anything else, `flat_layout` is None and merges go through faiss as before
+(`PIPELINE_FLAT_FILES=faiss` does the same, for measuring one against the other).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+_COUNT = struct.Struct("<q")
+_CHUNK_BYTES = 1 << 20
+# A count whose bytes differ from one another, to find the count fields in a header.
+_PROBE = 258
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where faiss puts the parts of a flat shard file of `dim`-d vectors."""
+
+    dim: int
+    head: bytes  # the file's start for no vectors, up to the vectors' size field
+    count_at: tuple[int, ...]  # offsets of the header's vector-count fields in `head`
+    vector_units: int  # the vectors' size field counts this many per vector
+
+    def header(self, count: int) -> bytes:
+        """The bytes before the vectors of a file of `count` vectors."""
+        head = bytearray(self.head)
+        for at in self.count_at:
+            _COUNT.pack_into(head, at, count)
+        return bytes(head) + _COUNT.pack(count * self.vector_units)
+
+    def vectors_bytes(self, count: int) -> int:
+        return count * self.dim * 4
+
+    def file_bytes(self, count: int) -> int:
+        return len(self.head) + 8 + self.vectors_bytes(count) + 8 + count * 8
+
+    def assemble(self, vectors: np.ndarray, ids: np.ndarray) -> bytes:
+        """A whole file in memory: for checking the layout against faiss."""
+        count = len(ids)
+        return b"".join(
+            (
+                self.header(count),
+                np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
+                _COUNT.pack(count),
+                np.ascontiguousarray(ids, dtype="<i8").tobytes(),
+            )
+        )
+
+
+@lru_cache(maxsize=8)
+def flat_layout(dim: int) -> FlatLayout | None:
+    """The layout of this faiss's flat shard files, or None where it is not the
+    header-vectors-ids layout this module streams."""
+    if os.environ.get("PIPELINE_FLAT_FILES") == "faiss":
+        return None
+    empty = _serialized(dim, 0)
+    probe = _serialized(dim, _PROBE)
+    if len(empty) < 16 or empty[-16:] != bytes(16):
+        return None
+    head = empty[:-16]
+    zero, probed = _COUNT.pack(0), _COUNT.pack(_PROBE)
+    count_at = tuple(
+        at
+        for at in range(len(head) - 7)
+        if head[at : at + 8] == zero and probe[at : at + 8] == probed
+    )
+    size_field = int.from_bytes(probe[len(head) : len(head) + 8], "little")
+    if not count_at or size_field % _PROBE:
+        return None
+    layout = FlatLayout(dim, head, count_at, size_field // _PROBE)
+    rng = np.random.default_rng(dim)
+    vectors = rng.standard_normal((3, dim)).astype(np.float32)
+    ids = np.array([5, 1 << 40, 17], dtype=np.int64)
+    if layout.assemble(vectors, ids) != _serialized(dim, 3, vectors, ids):
+        return None
+    if layout.header(_PROBE) != probe[: len(head) + 8]:
+        return None
+    return layout
+
+
+def _serialized(
+    dim: int, count: int, vectors: np.ndarray | None = None, ids: np.ndarray | None = None
+) -> bytes:
+    import faiss
+
+    from sinks.index_shards import faiss_flat
+
+    index = faiss_flat(dim)
+    if count:
+        if vectors is None or ids is None:
+            vectors = np.zeros((count, dim), dtype=np.float32)
+            ids = np.arange(count, dtype=np.int64)
+        index.add_with_ids(vectors, ids)
+    return bytes(faiss.serialize_index(index))
+
+
+def merge_flat_files(sources: list[tuple[Path, int]], target: Path, dim: int) -> int | None:
+    """Writes and fsyncs `target`, the flat shard of every source's vectors in order
+    (each source: its path and vector count); returns its size. None, with nothing
+    written, where the layout is unknown or a source does not have it: the caller
+    merges through faiss, which also names what is wrong with such a file."""
+    layout = flat_layout(dim)
+    if layout is None or not all(_has_layout(layout, p, n) for p, n in sources):
+        return None
+    total = sum(n for _, n in sources)
+    start = len(layout.head) + 8
+    with _staged(target) as out:
+        out.write(layout.header(total))
+        for path, count in sources:
+            _copy(path, start, layout.vectors_bytes(count), out)
+        out.write(_COUNT.pack(total))
+        for path, count in sources:
+            _copy(path, start + layout.vectors_bytes(count) + 8, count * 8, out)
+    return layout.file_bytes(total)
+
+
+def write_flat_file(target: Path, parts: list[tuple[np.ndarray, np.ndarray]]) -> int | None:
+    """Writes and fsyncs `target`, the flat shard of these (vectors, ids) parts in
+    order, without gathering them into one index; returns its size, or None (nothing
+    written) where the layout is unknown."""
+    dim = parts[0][0].shape[1]
+    layout = flat_layout(dim)
+    if layout is None:
+        return None
+    total = sum(len(ids) for _, ids in parts)
+    with _staged(target) as out:
+        out.write(layout.header(total))
+        for vectors, _ in parts:
+            out.write(np.ascontiguousarray(vectors, dtype="<f4").data)
+        out.write(_COUNT.pack(total))
+        for _, ids in parts:
+            out.write(np.ascontiguousarray(ids, dtype="<i8").data)
+    return layout.file_bytes(total)
+
+
+@contextlib.contextmanager
+def _staged(target: Path) -> Iterator[BinaryIO]:
+    """The file open for writing; fsynced after, removed if anything failed."""
+    try:
+        with open(target, "wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+
+
+def _has_layout(layout: FlatLayout, path: Path, count: int) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(len(layout.head) + 8) != layout.header(count):
+                return False
+            fh.seek(len(layout.head) + 8 + layout.vectors_bytes(count))
+            if fh.read(8) != _COUNT.pack(count):
+                return False
+            return os.fstat(fh.fileno()).st_size == layout.file_bytes(count)
+    except OSError:
+        return False
+
+
+def _copy(path: Path, offset: int, length: int, out: BinaryIO) -> None:
+    with open(path, "rb") as source:
+        source.seek(offset)
+        while length:
+            chunk = source.read(min(length, _CHUNK_BYTES))
+            if not chunk:
+                raise OSError(f"{path} ended {length} bytes early")
+            out.write(chunk)
+            length -= len(chunk)

@@ -1,0 +1,83 @@
+"""Flat shard merges streamed from the files' bytes: the same file faiss writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sinks.flat_files import flat_layout, merge_flat_files, write_flat_file
+from sinks.index_shards import contents, faiss_flat, read_index_file, write_index_file
+
+
+def _shard(path: Path, vectors: np.ndarray, ids: np.ndarray) -> tuple[Path, int]:
+    index = faiss_flat(vectors.shape[1])
+    index.add_with_ids(vectors, ids)
+    write_index_file(index, path)
+    return path, len(ids)
+
+
+@pytest.mark.parametrize("dim", [8, 384])
+def test_streamed_merge_is_the_file_faiss_writes(tmp_path: Path, dim: int) -> None:
+    import faiss
+
+    rng = np.random.default_rng(dim)
+    parts = []
+    for count in [5, 0, 1, 300]:
+        vectors = rng.standard_normal((count, dim)).astype(np.float32)
+        ids = rng.integers(0, 1 << 62, count, dtype=np.int64)
+        parts.append((vectors, ids))
+    sources = [_shard(tmp_path / f"s{n}.faiss", v, i) for n, (v, i) in enumerate(parts)]
+
+    size = merge_flat_files(sources, tmp_path / "merged.faiss", dim)
+
+    expected = faiss_flat(dim)
+    for vectors, ids in parts:
+        if len(ids):
+            expected.add_with_ids(vectors, ids)
+    data = (tmp_path / "merged.faiss").read_bytes()
+    assert size == len(data)
+    assert data == bytes(faiss.serialize_index(expected))
+    vectors, ids = contents(read_index_file(tmp_path / "merged.faiss", 306))
+    np.testing.assert_array_equal(vectors, np.concatenate([v for v, _ in parts]))
+    np.testing.assert_array_equal(ids, np.concatenate([i for _, i in parts]))
+
+
+def test_a_source_without_the_layout_is_left_to_faiss(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    good = _shard(tmp_path / "good.faiss", rng.standard_normal((4, 8)).astype(np.float32),
+                  np.arange(4, dtype=np.int64))  # fmt: skip
+    cut = _shard(tmp_path / "cut.faiss", rng.standard_normal((4, 8)).astype(np.float32),
+                 np.arange(4, 8, dtype=np.int64))  # fmt: skip
+    with open(cut[0], "r+b") as fh:
+        fh.truncate(fh.seek(0, 2) - 8)
+
+    assert merge_flat_files([good, cut], tmp_path / "merged.faiss", 8) is None
+    assert merge_flat_files([good, (cut[0], 5)], tmp_path / "merged.faiss", 8) is None
+    assert not (tmp_path / "merged.faiss").exists()
+
+
+def test_layout_header_counts_vectors() -> None:
+    layout = flat_layout(16)
+    assert layout is not None
+    assert len(layout.count_at) == 2  # the id map's and the flat index's ntotal
+    assert layout.file_bytes(10) == len(layout.header(10)) + 10 * 16 * 4 + 8 + 10 * 8
+
+
+def test_a_shard_written_from_parts_is_the_file_faiss_writes(tmp_path: Path) -> None:
+    import faiss
+
+    rng = np.random.default_rng(7)
+    parts = [
+        (rng.standard_normal((n, 384)).astype(np.float32), np.arange(n, dtype=np.int64) + 9 * n)
+        for n in (3, 1, 200)
+    ]
+    size = write_flat_file(tmp_path / "shard.faiss", parts)
+
+    expected = faiss_flat(384)
+    for vectors, ids in parts:
+        expected.add_with_ids(vectors, ids)
+    data = (tmp_path / "shard.faiss").read_bytes()
+    assert size == len(data)
+    assert data == bytes(faiss.serialize_index(expected))
