@@ -24,6 +24,15 @@ START_TIMEOUT_S="${PIPELINE_KAFKA_START_TIMEOUT_S:-120}"
 
 die() { echo "dev-kafka: $*" >&2; exit 1; }
 
+# One dev-kafka.sh at a time: two starts at once (a setup script and a test run)
+# would fetch and format the same storage together, and one of them fail.
+take_lock() {
+  command -v flock >/dev/null || return 0
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/.lock"
+  flock -w 600 9 || die "another dev-kafka.sh held $CACHE/.lock for 10 minutes"
+}
+
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; }
 
 running_pid() {
@@ -112,7 +121,7 @@ start() {
   nohup java -Xms256m -Xmx1g -XX:+UseG1GC -Djava.awt.headless=true \
        -Dlog4j2.configurationFile="$CACHE/log4j2.properties" \
        -cp "$LIBS/*" kafka.Kafka "$CACHE/server.properties" \
-       > "$LOGS/stdout.log" 2>&1 < /dev/null &
+       > "$LOGS/stdout.log" 2>&1 < /dev/null 9>&- &
   echo $! > "$PIDFILE"
   wait_ready "$!"
   echo "dev-kafka: Apache Kafka $KAFKA_VERSION ready on 127.0.0.1:$PORT (pid $(cat "$PIDFILE"), logs in $LOGS)"
@@ -148,6 +157,7 @@ status() {
   fi
 }
 
+[[ "${1:-}" == status ]] || take_lock
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
