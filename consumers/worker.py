@@ -51,6 +51,7 @@ from pipeline.identity import check_output_model
 from pipeline.metrics import WorkerMetrics
 from pipeline.progress import Progress
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
+from sinks import index_shards
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
 from sinks.layout import is_local, segments_by_partition
@@ -228,6 +229,7 @@ class Worker:
         check_output_model(self.config.output, self.embedder.info)
         self.parquet = ParquetSink(self.config.output, self.embedder.info)
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
+        index_shards.preload(self.embedder.info.dim)
         freeze_start_up_objects()
 
     def _preflight(self) -> dict[TopicPartition, int]:
