@@ -12,7 +12,7 @@ in Kafka.
 
     .venv/bin/python scripts/memory.py [--backlogs 500,30000,100000]
         [--variants "default=;before=--replicas 1 --torch-threads 2 --shapes exact"]
-        [--model default] [--precision fp32] [--json FILE]
+        [--model default] [--precision fp32] [--repeat 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -101,6 +102,11 @@ def main() -> int:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--work", default=f"/tmp/memory-{os.getpid()}")
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP)
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs per backlog and variant; peaks are compared by their medians (the "
+        "peak of a small backlog moves by up to ~100 MB between runs)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
@@ -110,25 +116,35 @@ def main() -> int:
     results: list[dict] = []
     for backlog in backlogs:
         topic = publish(kafka, backlog)
-        for name, extra in variants:
-            run = peak_rss_mb(kafka, topic, extra, args)
-            results.append({"variant": name, "backlog": backlog, **run})
-            print(
-                f"  {name:<8} backlog {backlog:>7}: peak RSS {run['peak_rss_mb']:7.0f} MB "
-                f"({run['seconds']:.0f}s)",
-                flush=True,
-            )
+        for _ in range(args.repeat):
+            for name, extra in variants:
+                run = peak_rss_mb(kafka, topic, extra, args)
+                results.append({"variant": name, "backlog": backlog, **run})
+                print(
+                    f"  {name:<8} backlog {backlog:>7}: peak RSS {run['peak_rss_mb']:7.0f} MB "
+                    f"({run['seconds']:.0f}s)",
+                    flush=True,
+                )
         with cluster.admin_client(kafka) as admin:
             admin.delete_topics([topic])
     print(f"memory: peak RSS by backlog, {args.precision}, own RSS {_own_mb():.0f} MB")
     for name, _ in variants:
-        peaks = {r["backlog"]: r["peak_rss_mb"] for r in results if r["variant"] == name}
-        row = "  ".join(f"{b}: {peaks[b]:.0f} MB" for b in backlogs)
-        growth = peaks[backlogs[-1]] - peaks[backlogs[0]]
+        peaks = {
+            b: [r["peak_rss_mb"] for r in results if r["variant"] == name and r["backlog"] == b]
+            for b in backlogs
+        }
+        row = "  ".join(f"{b}: {_spread(peaks[b])}" for b in backlogs)
+        growth = statistics.median(peaks[backlogs[-1]]) - statistics.median(peaks[backlogs[0]])
         print(f"  {name:<8} {row}  growth {growth:+.0f} MB")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _spread(peaks: list[float]) -> str:
+    """The median peak, with the range where the backlog ran more than once."""
+    median = f"{statistics.median(peaks):.0f} MB"
+    return median if len(peaks) == 1 else f"{median} ({min(peaks):.0f}-{max(peaks):.0f})"
 
 
 def _own_mb() -> float:
