@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -604,9 +605,27 @@ def _apply_precision(net: Any, precision: str, device: str) -> Any:
     import torch
 
     if precision == "int8":
-        return torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
+        return _quantize_int8(net)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return net.to(device=device, dtype=dtype)
+
+
+def _quantize_int8(net: Any) -> Any:
+    """Dynamic int8 quantisation of the Linear layers. torch.ao.quantization is
+    deprecated (torchao replaces it) and warns on every load: users chose int8, so
+    the warnings are not theirs to act on; a torch without it is one clear error."""
+    import torch
+
+    quantization = getattr(getattr(torch, "ao", None), "quantization", None)
+    if quantization is None or not hasattr(quantization, "quantize_dynamic"):
+        raise ModelError(
+            f"--precision int8 needs torch.ao.quantization, which torch {torch.__version__} "
+            "no longer has; use fp32 or bf16"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*", category=UserWarning)
+        return quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def cpu_has_native_bf16() -> bool:

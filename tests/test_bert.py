@@ -277,6 +277,17 @@ def test_int8_quantises_every_linear(default_path: Path, texts: list[str], loade
     assert ours.min() > 0.8
 
 
+def test_int8_without_torch_quantization_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.ao.quantization is deprecated: a torch that drops it refuses int8 in one line."""
+    from pipeline.embedder import _apply_precision
+
+    monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")
+    with pytest.raises(ModelError, match=r"int8 needs torch\.ao\.quantization"):
+        _apply_precision(torch.nn.Sequential(torch.nn.Linear(4, 4)), "int8", "cpu")
+
+
 # ------------------------------------------------------------------ start-up
 
 
