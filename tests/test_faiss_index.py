@@ -492,7 +492,18 @@ def test_a_sync_writes_only_the_new_vectors_and_reads_no_shard(
     assert sorted(fresh_rows(out.root)) == sorted(out.parquet_rows())
 
 
-def test_small_shards_merge_in_tiers_under_the_cap(out: Output) -> None:
+@pytest.mark.parametrize("files", ["streamed", "faiss"])
+def test_small_shards_merge_in_tiers_under_the_cap(
+    out: Output, files: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """Both ways of writing shards (sinks.flat_files, and faiss where the layout is
+    not the one it streams) give the same index."""
+    from sinks.flat_files import flat_layout
+
+    monkeypatch.setenv("PIPELINE_FLAT_FILES", files)
+    flat_layout.cache_clear()
+    request.addfinalizer(flat_layout.cache_clear)
+    assert (flat_layout(DIM) is None) == (files == "faiss")
     cap = 64
     store = IndexStore(out.root, shard_cap=cap)
     most_written = 0
