@@ -105,7 +105,7 @@ def main() -> int:
     parser.add_argument(
         "--repeat", type=int, default=1,
         help="runs per backlog and variant; peaks are compared by their medians (the "
-        "peak of a small backlog moves by up to ~100 MB between runs)",
+        "peak of a small backlog moved by up to ~80 MB between runs)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

@@ -328,13 +328,9 @@ class IndexStore:
     def _merge_streaming(self, group: list[Shard], target: Path, dim: int) -> int | None:
         """The merged shard written from the files' bytes (sinks.flat_files), or None
         where they must go through faiss."""
-        from sinks.parquet import output_error
-
         sources = [(self.files.fetch(s.file), s.count) for s in group]
         try:
             return merge_flat_files(sources, target, dim)
-        except OSError as exc:
-            raise output_error(exc, target) from exc
         finally:
             for shard in group:
                 self.files.release(shard.file)

@@ -27,6 +27,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from sinks.index_shards import faiss_flat, flat_file_bytes
+
 _COUNT = struct.Struct("<q")
 _CHUNK_BYTES = 1 << 20
 # A count whose bytes differ from one another, to find the count fields in a header.
@@ -51,9 +53,6 @@ class FlatLayout:
 
     def vectors_bytes(self, count: int) -> int:
         return count * self.dim * 4
-
-    def file_bytes(self, count: int) -> int:
-        return len(self.head) + 8 + self.vectors_bytes(count) + 8 + count * 8
 
     def assemble(self, vectors: np.ndarray, ids: np.ndarray) -> bytes:
         """A whole file in memory: for checking the layout against faiss."""
@@ -104,8 +103,6 @@ def _serialized(
 ) -> bytes:
     import faiss
 
-    from sinks.index_shards import faiss_flat
-
     index = faiss_flat(dim)
     if count:
         if vectors is None or ids is None:
@@ -132,7 +129,7 @@ def merge_flat_files(sources: list[tuple[Path, int]], target: Path, dim: int) ->
         out.write(_COUNT.pack(total))
         for path, count in sources:
             _copy(path, start + layout.vectors_bytes(count) + 8, count * 8, out)
-    return layout.file_bytes(total)
+    return flat_file_bytes(dim, total)
 
 
 def write_flat_file(target: Path, parts: list[tuple[np.ndarray, np.ndarray]]) -> int | None:
@@ -151,17 +148,23 @@ def write_flat_file(target: Path, parts: list[tuple[np.ndarray, np.ndarray]]) ->
         out.write(_COUNT.pack(total))
         for _, ids in parts:
             out.write(np.ascontiguousarray(ids, dtype="<i8").data)
-    return layout.file_bytes(total)
+    return flat_file_bytes(dim, total)
 
 
 @contextlib.contextmanager
 def _staged(target: Path) -> Iterator[BinaryIO]:
-    """The file open for writing; fsynced after, removed if anything failed."""
+    """The file open for writing; fsynced after, removed if anything failed, and an
+    OSError turned into one actionable OutputError (as write_checked does for faiss)."""
+    from sinks.parquet import output_error
+
     try:
         with open(target, "wb") as out:
             yield out
             out.flush()
             os.fsync(out.fileno())
+    except OSError as exc:
+        target.unlink(missing_ok=True)
+        raise output_error(exc, target) from exc
     except BaseException:
         target.unlink(missing_ok=True)
         raise
@@ -175,7 +178,7 @@ def _has_layout(layout: FlatLayout, path: Path, count: int) -> bool:
             fh.seek(len(layout.head) + 8 + layout.vectors_bytes(count))
             if fh.read(8) != _COUNT.pack(count):
                 return False
-            return os.fstat(fh.fileno()).st_size == layout.file_bytes(count)
+            return os.fstat(fh.fileno()).st_size == flat_file_bytes(layout.dim, count)
     except OSError:
         return False
 

@@ -319,12 +319,8 @@ class FlatShardWriter:
         """Writes the buffered parts as they are: one gathered copy and a faiss index
         of them would double a shard's memory."""
         from sinks.flat_files import write_flat_file
-        from sinks.parquet import output_error
 
-        try:
-            size = write_flat_file(path, list(zip(self._vectors, self._ids, strict=True)))
-        except OSError as exc:
-            raise output_error(exc, path) from exc
+        size = write_flat_file(path, list(zip(self._vectors, self._ids, strict=True)))
         if size is not None:
             return size
         index = faiss_flat(self._vectors[0].shape[1])

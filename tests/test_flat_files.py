@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from sinks.flat_files import flat_layout, merge_flat_files, write_flat_file
-from sinks.index_shards import contents, faiss_flat, read_index_file, write_index_file
+from sinks.index_shards import (
+    contents,
+    faiss_flat,
+    flat_file_bytes,
+    read_index_file,
+    write_index_file,
+)
 
 
 def _shard(path: Path, vectors: np.ndarray, ids: np.ndarray) -> tuple[Path, int]:
@@ -62,7 +68,7 @@ def test_layout_header_counts_vectors() -> None:
     layout = flat_layout(16)
     assert layout is not None
     assert len(layout.count_at) == 2  # the id map's and the flat index's ntotal
-    assert layout.file_bytes(10) == len(layout.header(10)) + 10 * 16 * 4 + 8 + 10 * 8
+    assert flat_file_bytes(16, 10) == len(layout.header(10)) + 10 * 16 * 4 + 8 + 10 * 8
 
 
 def test_a_shard_written_from_parts_is_the_file_faiss_writes(tmp_path: Path) -> None:
@@ -81,3 +87,12 @@ def test_a_shard_written_from_parts_is_the_file_faiss_writes(tmp_path: Path) -> 
     data = (tmp_path / "shard.faiss").read_bytes()
     assert size == len(data)
     assert data == bytes(faiss.serialize_index(expected))
+
+
+def test_a_write_that_fails_is_one_output_error_and_leaves_nothing(tmp_path: Path) -> None:
+    from pipeline.errors import OutputError
+
+    parts = [(np.ones((2, 8), dtype=np.float32), np.arange(2, dtype=np.int64))]
+    with pytest.raises(OutputError):
+        write_flat_file(tmp_path / "missing-dir" / "shard.faiss", parts)
+    assert not (tmp_path / "missing-dir").exists()
