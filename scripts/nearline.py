@@ -15,7 +15,8 @@ side, and how many records were still not visible at the end (the lag left).
 
 Each run also samples the worker's RSS once a second over the timed part: its
 first and last sample and its highest, for memory over a long nearline run
-(e.g. `--seconds 3600 --busy 0 --variants default=`).
+(e.g. `--seconds 3600 --busy 0 --variants default=`), and its anonymous part;
+with `--smaps-dir DIR`, copies of its /proc/PID/smaps at `--smaps-minutes`.
 
 A variant is NAME=[ENV=VALUE ...] EXTRA WORKER FLAGS; `before` is the layout workers had before
 replicas and bucketed shapes (one replica with a team of two threads).
@@ -104,21 +105,35 @@ class Visibility(Watcher):
 
 
 class RssSampler(Watcher):
-    """The worker's resident memory once a second (from /proc), for its growth."""
+    """The worker's resident memory once a second (from /proc), for its growth:
+    all of it (VmRSS), and its anonymous part (RssAnon: heaps, arenas, tensors),
+    which, unlike pages of mapped libraries (RssFile), cannot be given back
+    without freeing. With `smaps_dir`, /proc/PID/smaps is copied there at the
+    seconds in `smaps_at`, to diff by mapping where the growth is."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(
+        self, pid: int, smaps_dir: Path | None = None, smaps_at: tuple[int, ...] = ()
+    ) -> None:
         super().__init__()
-        self.path = Path(f"/proc/{pid}/status")
+        self.proc = Path(f"/proc/{pid}")
         self.samples: list[int] = []  # MB
+        self.anon: list[int] = []  # MB
+        self.smaps_dir = smaps_dir
+        self.smaps_at = set(smaps_at)
 
     def _tick(self) -> bool:
         try:
-            status = self.path.read_text()
+            status = (self.proc / "status").read_text()
+            if self.smaps_dir is not None and len(self.samples) in self.smaps_at:
+                smaps = (self.proc / "smaps").read_text()
+                (self.smaps_dir / f"smaps-{len(self.samples):05d}s.txt").write_text(smaps)
         except OSError:
             return False  # the worker has exited
         for line in status.splitlines():
             if line.startswith("VmRSS:"):
                 self.samples.append(int(line.split()[1]) // 1024)
+            elif line.startswith("RssAnon:"):
+                self.anon.append(int(line.split()[1]) // 1024)
         return True
 
 
@@ -170,7 +185,12 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
                 if worker.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"nearline: worker {name} did not start; see {output}.log")
                 time.sleep(0.2)
-            with Busy(busy), RssSampler(worker.pid) as rss:
+            smaps_dir = None
+            if args.smaps_dir is not None:
+                smaps_dir = args.smaps_dir / f"{name}-busy{busy}"
+                smaps_dir.mkdir(parents=True, exist_ok=True)
+            smaps_at = tuple(int(m * 60) for m in args.smaps_minutes)
+            with Busy(busy), RssSampler(worker.pid, smaps_dir, smaps_at) as rss:
                 count = int(args.rate * args.seconds)
                 pool = texts[10:] or texts
                 timed = [(f"r{n}", pool[n % len(pool)]) for n in range(count)]
@@ -196,8 +216,11 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
         "rss_first_mb": rss.samples[0] if rss.samples else None,
         "rss_last_mb": rss.samples[-1] if rss.samples else None,
         "rss_max_mb": max(rss.samples) if rss.samples else None,
+        "anon_first_mb": rss.anon[0] if rss.anon else None,
+        "anon_last_mb": rss.anon[-1] if rss.anon else None,
         # One sample a minute, to tell steady growth from a saw-tooth (JSON only).
         "rss_per_minute_mb": rss.samples[::60],
+        "anon_per_minute_mb": rss.anon[::60],
     }
     with cluster.admin_client(kafka) as admin:
         admin.delete_topics([topic])
@@ -225,6 +248,14 @@ def main() -> int:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--smaps-dir", type=Path, default=None,
+        help="copy the worker's /proc/PID/smaps here at --smaps-minutes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--smaps-minutes", type=lambda v: [float(m) for m in v.split(",")],
+        default=[0, 1, 5, 10, 20, 30, 45, 59], help="comma-separated minutes into the timed part",
+    )  # fmt: skip
     args = parser.parse_args()
     kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers)
     variants = [v.split("=", 1) for v in args.variants.split(";") if v]
@@ -251,7 +282,8 @@ def _line(r: dict) -> str:
         f"  {r['variant']:<8} busy cores {r['busy']}: p50 {fmt(r['p50_s'])}s "
         f"p99 {fmt(r['p99_s'])}s max {fmt(r['max_s'])}s, "
         f"{r['not_visible']} of {r['records']} not visible at the end; RSS "
-        f"{r['rss_first_mb']} -> {r['rss_last_mb']} MB (max {r['rss_max_mb']})"
+        f"{r['rss_first_mb']} -> {r['rss_last_mb']} MB (max {r['rss_max_mb']}), "
+        f"anonymous {r['anon_first_mb']} -> {r['anon_last_mb']} MB"
     )
 
 
