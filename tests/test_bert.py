@@ -251,6 +251,33 @@ def test_pass_without_padding_runs_unmasked(
     assert cosines(ours, theirs).min() >= 0.99999
 
 
+def _mapped_kb(path: Path) -> tuple[int, int]:
+    """(resident, size) in kB of this process's mappings of `path`, from /proc/self/smaps."""
+    resident = size = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header
+            inside = len(fields) > 5 and fields[5] == str(path.resolve())
+        elif inside and fields[0] in ("Rss:", "Size:"):
+            resident += int(fields[1]) * (fields[0] == "Rss:")
+            size += int(fields[1]) * (fields[0] == "Size:")
+    return resident, size
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux /proc")
+def test_memory_mapped_weights_are_resident_from_the_start(default_path: Path) -> None:
+    """A worker's RSS must not creep up as new token ids touch new pages of the
+    word-embedding table: every page of the weights is read at load."""
+    config = bert.read_config(default_path)
+    tensors = bert.read_tensors(default_path, config)
+    resident, size = _mapped_kb(default_path / "model.safetensors")
+    if size == 0:
+        pytest.skip("this safetensors copies the weights instead of mapping the file")
+    assert resident >= 0.98 * size, f"{resident} of {size} kB resident"
+    assert tensors  # held until here: the mapping lives as long as its tensors
+
+
 def test_bf16_close_to_fp32(default_path: Path, texts: list[str], loaded: dict) -> None:
     fp32 = embedder_for(loaded, default_path, "fp32", "transformers").embed(texts)
     native = embedder_for(loaded, default_path, "bf16", "native")
