@@ -1,4 +1,4 @@
-"""BERT's WordPiece for ASCII text in a few microseconds: the same ids as the Rust tokenizer.
+"""BERT's WordPiece in a few microseconds a text: the same ids as the Rust tokenizer.
 
 The Rust tokenizer tracks every character's offsets through normalisation and
 builds a full Encoding per text: on the CPU it cost 90-100 µs for a short
@@ -11,10 +11,19 @@ repeat (Zipf), so each word's pieces are remembered: a paragraph then costs a
 regex, a lower() and a dictionary lookup per word (about 14 µs).
 
 Only tokenizers whose declared pipeline is exactly that one qualify (read from
-their own tokenizer.json), and only texts that are ASCII without "[" (special
-tokens such as "[MASK]" are matched in the raw text); everything else goes to
-the Rust tokenizer. At load the two are compared on a built-in sample and the
-fast path is refused unless every id agrees.
+their own tokenizer.json), and only texts without "[" (special tokens such as
+"[MASK]" are matched in the raw text); everything else goes to the Rust
+tokenizer. At load the two are compared on a built-in sample and the fast path
+is refused unless every id agrees.
+
+Most of a Chinese or mixed-language corpus is not ASCII, and for those texts
+the rules are a few more: characters of Unicode's "other" categories dropped,
+accents stripped (NFD, then nonspacing marks removed) where the model is
+uncased, each CJK ideograph a word of its own, every Unicode punctuation mark a
+word. Python's Unicode tables are not the Rust crates' (they differ in version),
+so the characters this path takes are the ones it was shown to treat exactly as
+the Rust normaliser and pre-tokeniser do, one by one, at load (`_UnicodeRules`,
+a fifth of a second): a text with any other character goes to the Rust tokenizer.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable
+import unicodedata
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -38,9 +49,46 @@ _CASED_WORDS = re.compile(rf"[A-Za-z0-9]+|{_PUNCTUATION}")
 # The memo of word -> pieces: the common words of a corpus, a few MB at most.
 MAX_REMEMBERED_WORDS = 50_000
 
+# The non-ASCII characters offered to the fast path, checked one by one at load:
+# Latin, Greek, Cyrillic, Armenian, Hebrew, Arabic, Devanagari, Thai, general and
+# CJK punctuation, symbols, kana, CJK ideographs, Hangul, full-width forms, emoji
+# (48k characters in all).
+CANDIDATE_RANGES = (
+    (0x80, 0x6FF),
+    (0x900, 0x97F),
+    (0xE00, 0xE7F),
+    (0x1E00, 0x1FFF),
+    (0x2000, 0x206F),
+    (0x20A0, 0x20CF),
+    (0x2100, 0x27BF),
+    (0x3000, 0x33FF),
+    (0x3400, 0x4DBF),
+    (0x4E00, 0x9FFF),
+    (0xAC00, 0xD7A3),
+    (0xFF00, 0xFFEF),
+    (0x1F300, 0x1F64F),
+    (0x1F680, 0x1F6FF),
+    (0x1F900, 0x1F9FF),
+)
+# BertNormalizer's handle_chinese_chars: each of these is made a word of its own.
+_CJK_RANGES = (
+    (0x4E00, 0x9FFF),
+    (0x3400, 0x4DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B920, 0x2CEAF),
+    (0xF900, 0xFAFF),
+    (0x2F800, 0x2FA1F),
+)
+# Lower-cased by context in Python (a final sigma), by character in Rust.
+_CONTEXTUAL_CASE = "\u03a3"
 
-class AsciiWordPiece:
-    """Token ids (with [CLS] and [SEP], truncated to `max_length`) of ASCII texts."""
+
+class FastWordPiece:
+    """Token ids (with [CLS] and [SEP], truncated to `max_length`) of the texts
+    `handles` accepts: ASCII, and once `_UnicodeRules` are attached, texts of the
+    characters they were checked on."""
 
     def __init__(
         self,
@@ -64,18 +112,22 @@ class AsciiWordPiece:
         self._sep = vocab[sep]
         self._max_body = max_length - 2
         self._memo: dict[str, list[int]] = {}
+        self.unicode: _UnicodeRules | None = None
 
-    @staticmethod
-    def handles(text: str) -> bool:
-        return text.isascii() and "[" not in text
+    def handles(self, text: str) -> bool:
+        if "[" in text:
+            return False
+        if text.isascii():
+            return True
+        return self.unicode is not None and self.unicode.takes(text)
 
     def encode(self, text: str) -> tuple[list[int], bool]:
         """(ids, whether the text was truncated) of a text that `handles` accepts."""
-        if _CONTROL.search(text):
-            text = _CONTROL.sub("", text)
-        if self._lowercase:
-            text = text.lower()
-        words = self._words.findall(text)
+        if text.isascii():
+            words = self._ascii_words(text)
+        else:
+            assert self.unicode is not None
+            words = self.unicode.words(text)
         found = list(map(self._memo.get, words))
         if None in found:
             found = [self._memo.get(word) or self._pieces(word) for word in words]
@@ -85,6 +137,13 @@ class AsciiWordPiece:
             del ids[self._max_body + 1 :]
         ids.append(self._sep)
         return ids, truncated
+
+    def _ascii_words(self, text: str) -> list[str]:
+        if _CONTROL.search(text):
+            text = _CONTROL.sub("", text)
+        if self._lowercase:
+            text = text.lower()
+        return self._words.findall(text)
 
     def _pieces(self, word: str) -> list[int]:
         too_long = len(word) > self._max_word_chars
@@ -112,7 +171,117 @@ class AsciiWordPiece:
         return pieces
 
 
-def for_tokenizer(rust_tokenizer: Any, max_length: int) -> AsciiWordPiece | None:
+@dataclass(frozen=True)
+class _UnicodeRules:
+    """BertNormalizer and BertPreTokenizer for non-ASCII text, in the Rust order:
+    drop "other" characters, strip accents (NFD, then nonspacing marks), lower-case;
+    then words are CJK ideographs, punctuation marks and runs of anything else,
+    split at whitespace."""
+
+    untaken: re.Pattern[str]  # a character not checked against the Rust tokenizer
+    dropped: re.Pattern[str]
+    marks: re.Pattern[str] | None  # nonspacing marks, where accents are stripped
+    lowercase: bool
+    split: re.Pattern[str]
+
+    def takes(self, text: str) -> bool:
+        return self.untaken.search(text) is None
+
+    def words(self, text: str) -> list[str]:
+        if self.dropped.search(text):
+            text = self.dropped.sub("", text)
+        if self.marks is not None:
+            text = self.marks.sub("", unicodedata.normalize("NFD", text))
+        if self.lowercase:
+            text = text.lower()
+        return self.split.findall(text)
+
+
+def _unicode_rules(spec: dict[str, Any], candidates: list[str]) -> _UnicodeRules:
+    """Rules from the normaliser's settings and Python's Unicode tables, for texts of
+    ASCII and `candidates` (the classes hold only what such texts can come to hold:
+    a class with every code point is scanned range by range, 30 times slower)."""
+    normalizer = spec["normalizer"]
+    lowercase = bool(normalizer.get("lowercase"))
+    strip = normalizer.get("strip_accents")
+    strip_accents = lowercase if strip is None else bool(strip)
+    reachable = {chr(code) for code in range(0x80)}
+    for char in candidates:
+        decomposed = unicodedata.normalize("NFD", char)
+        reachable.update(char, decomposed, decomposed.lower(), char.lower())
+    category = {char: unicodedata.category(char) for char in reachable}
+    cjk = ""
+    if normalizer.get("handle_chinese_chars", True):
+        cjk = _chars_class(c for c in reachable if any(a <= ord(c) <= b for a, b in _CJK_RANGES))
+    dropped = [c for c, k in category.items() if k[0] == "C" and c not in "\t\n\r"]
+    punct = _PUNCTUATION[1:-1] + _chars_class(c for c, k in category.items() if k[0] == "P")
+    marks = [c for c, k in category.items() if k == "Mn"]
+    runs = f"[^\\s{punct}{cjk}]+"
+    singles = f"[{punct}{cjk}]"
+    return _UnicodeRules(
+        untaken=re.compile("."),  # nothing is taken until the check has run
+        dropped=re.compile(f"[{_chars_class([*dropped, chr(0xFFFD)])}]"),
+        marks=re.compile(f"[{_chars_class(marks)}]") if strip_accents and marks else None,
+        lowercase=lowercase,
+        split=re.compile(f"{singles}|{runs}"),
+    )
+
+
+def _checked_unicode(spec: dict[str, Any], rust_tokenizer: Any) -> _UnicodeRules | None:
+    """Rules taking the candidate characters on which they split and normalise
+    "a" + character + "a" exactly as the Rust normaliser and pre-tokeniser do."""
+    try:
+        normalize = rust_tokenizer.normalizer.normalize_str
+        pre_tokenize = rust_tokenizer.pre_tokenizer.pre_tokenize_str
+    except AttributeError:
+        return None
+    candidates = list(_candidates(lowercase=bool(spec["normalizer"].get("lowercase"))))
+    rules = _unicode_rules(spec, candidates)
+    taken = []
+    for char in candidates:
+        probe = f"a{char}a"
+        if [word for word, _ in pre_tokenize(normalize(probe))] == rules.words(probe):
+            taken.append(char)
+    if not taken:
+        return None
+    untaken = re.compile(f"[^\\x00-\\x7f{_chars_class(taken)}]")
+    return _UnicodeRules(untaken, rules.dropped, rules.marks, rules.lowercase, rules.split)
+
+
+def _candidates(lowercase: bool) -> Iterator[str]:
+    for first, last in CANDIDATE_RANGES:
+        for code in range(first, last + 1):
+            char = chr(code)
+            # Unassigned here may be assigned in the Rust tables, and the other way round.
+            if unicodedata.category(char) == "Cn":
+                continue
+            if lowercase and char in _CONTEXTUAL_CASE:
+                continue
+            yield char
+
+
+def _chars_class(chars: Iterable[str]) -> str:
+    """A regex character class body for these characters, as ranges of consecutive ones."""
+    codes = sorted({ord(c) for c in chars})
+    parts = []
+    start = previous = None
+    for code in [*codes, None]:
+        if code is not None and previous is not None and code == previous + 1:
+            previous = code
+            continue
+        if start is not None:
+            assert previous is not None
+            span = _escape(chr(start))
+            parts.append(span if start == previous else f"{span}-{_escape(chr(previous))}")
+        start = previous = code
+    return "".join(parts)
+
+
+def _escape(char: str) -> str:
+    return f"\\U{ord(char):08x}"
+
+
+def for_tokenizer(rust_tokenizer: Any, max_length: int) -> FastWordPiece | None:
     """The fast path for this `tokenizers.Tokenizer` (truncation at `max_length`),
     or None where its pipeline is not BERT's WordPiece or the check finds a difference."""
     try:
@@ -122,17 +291,18 @@ def for_tokenizer(rust_tokenizer: Any, max_length: int) -> AsciiWordPiece | None
     fast = _from_spec(spec, max_length)
     if fast is None:
         return None
+    fast.unicode = _checked_unicode(spec, rust_tokenizer)
     sample = [text for text in _check_texts() if fast.handles(text)]
     expected = rust_tokenizer.encode_batch(sample, add_special_tokens=True)
     for text, encoding in zip(sample, expected, strict=True):
         if fast.encode(text) != (encoding.ids, bool(encoding.overflowing)):
-            log.warning("tokenizer: the ASCII fast path differs on %r; not used", text[:60])
+            log.warning("tokenizer: the fast path differs on %r; not used", text[:60])
             return None
     fast._memo.clear()  # the sample's words are not the corpus's
     return fast
 
 
-def _from_spec(spec: dict[str, Any], max_length: int) -> AsciiWordPiece | None:
+def _from_spec(spec: dict[str, Any], max_length: int) -> FastWordPiece | None:
     normalizer = spec.get("normalizer") or {}
     model = spec.get("model") or {}
     pre = spec.get("pre_tokenizer") or {}
@@ -151,7 +321,7 @@ def _from_spec(spec: dict[str, Any], max_length: int) -> AsciiWordPiece | None:
     # go to the Rust tokenizer, so only tokens that contain one can be left to it.
     if any("[" not in added.get("content", "") for added in spec.get("added_tokens") or []):
         return None
-    return AsciiWordPiece(
+    return FastWordPiece(
         vocab,
         lowercase=bool(normalizer.get("lowercase")),
         prefix=model.get("continuing_subword_prefix") or "##",
@@ -181,7 +351,9 @@ def _cls_sep(post: dict[str, Any]) -> tuple[str, str] | None:
 def _check_texts() -> Iterable[str]:
     """Prose, truncation, control characters, punctuation runs, long and unknown words."""
     yield from _PROSE
+    yield from _MIXED
     yield " ".join(_PROSE * 8)  # longer than any max_length
+    yield "".join(_MIXED * 30)
     yield ""
     yield "\t\n\r \x00\x07\x7f"
     yield "Hello,World!!! (e.g.) 3.14159 -- x_y/z \\ ~`^{}<>@#$%&*+=|'\"?"
@@ -200,4 +372,14 @@ _PROSE = (
     "SELECT id, text FROM corpus WHERE length(text) > 300 ORDER BY id LIMIT 10;",
     "https://example.com/path?query=1&b=2#frag user@example.org 192.168.0.1:9092",
     "Version 3.0.12 -- released 2026-11-30; see CHANGES.rst for the full list.",
+)
+
+_MIXED = (
+    "向量检索与语义缓存：动态批处理、量化和多副本服务。",
+    "Kafka 消费者组在成员加入或离开时重新分配分区（rebalance）。",
+    "Café au lait, naïve résumé — Ünïcödé ÀÉÎÕÜ façade Ångström.",
+    "Привет, мир! Ελληνικά κείμενα. 日本語のテキスト、カタカナとひらがな。",
+    "한국어 문장도 처리합니다. 全角ＡＢＣ１２３！？ “quotes” ‘single’ …",
+    "emoji 😀🚀 and symbols © ® ™ € £ ¥ ½ ° ± × ÷ → ← ≤ ≥ ∞",
+    "zero\u200bwidth\u00a0nbsp\u3000ideographic space\u2028line\ufeffbom",
 )

@@ -15,7 +15,7 @@ The ratio pipe/bare is the share of Kafka's own speed the pipeline keeps; the ta
 is at least 0.5. Rounds alternate (--repeat N) and the medians are compared.
 
 --variants runs the pipeline once per variant in every round: NAME=[ENV=VALUE ...]
-[WORKER FLAGS], e.g. "fast=;rust=PIPELINE_TOKENIZER=rust" (the ASCII WordPiece fast
+[WORKER FLAGS], e.g. "fast=;rust=PIPELINE_TOKENIZER=rust" (the WordPiece fast
 path against the Rust tokenizer) or "native=;transformers=PIPELINE_ENCODER=transformers".
 
     .venv/bin/python scripts/overhead.py [--records 50000] [--partitions 3] [--repeat 3]

@@ -1,9 +1,11 @@
-"""The ASCII WordPiece fast path gives exactly the Rust tokenizer's ids, or is not used."""
+"""The WordPiece fast path gives exactly the Rust tokenizer's ids, or is not used."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 import string
 
 import pytest
@@ -34,6 +36,56 @@ def ascii_fuzz(count: int, seed: int = 7) -> list[str]:
     return texts
 
 
+# Characters of every kind the non-ASCII rules meet: CJK ideographs (one word each),
+# CJK and full-width punctuation, accented Latin (stripped where uncased), a final
+# sigma (lower-cased by context in Python only), Cyrillic, kana with voiced marks
+# (NFD splits them), Hangul (NFD makes jamo), combining marks, zero-width and
+# format characters (dropped), non-ASCII spaces, emoji, a CJK compatibility
+# ideograph (NFD maps it), a supplementary ideograph and unassigned code points
+# (not taken: those texts go to the Rust tokenizer).
+_UNICODE_ALPHABET = (
+    "向量检索与语义缓存动态批处理量化多副本服务的一是了不在有人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年"
+    "，。、；：？！「」『』（）《》【】——……·～"
+    "ＡＢＣａｂｃ１２３！＃％＆"
+    "àáâãäåæçèéêëìíîïñòóôõöøùúûüýÿÀÉÎÕÜßŒœŠšŽžĀāĒēıİ"
+    "ΑΒΓΔΕΣσςαβγδεωΩ"
+    "привет мир ЁЖЗИЙ"
+    "がぎぐげござじずぜぞカタカナひらがなパピプ"
+    "한국어문장처리각"
+    "̧́̈​‍﻿­  　 "
+    "😀🚀👍🏽❤️©®™€£¥½°±×÷→←≤≥∞"
+    "豈𠀌󠀁͸￿"
+)
+
+
+def unicode_fuzz(count: int, seed: int = 13) -> list[str]:
+    """Random mixed-language texts: runs of ASCII and of the characters above."""
+    rng = random.Random(seed)
+    ascii_part = string.ascii_letters + string.digits + " ,.-'\"()\t\n"
+    texts = []
+    for _ in range(count):
+        parts = []
+        for _ in range(rng.randint(1, 12)):
+            alphabet = _UNICODE_ALPHABET if rng.random() < 0.6 else ascii_part
+            parts.append("".join(rng.choice(alphabet) for _ in range(rng.choice((1, 2, 5, 12)))))
+        texts.append(rng.choice(("", " ")).join(parts))
+    return texts
+
+
+def equal_to_rust(fast: wordpiece.FastWordPiece, tokenizer: Tokenizer, texts: list[str]) -> int:
+    """Asserts the fast path's ids on the texts it handles are the Rust tokenizer's;
+    returns how many it handled."""
+    handled = [t for t in texts if fast.handles(t)]
+    expected = tokenizer.encode_batch(handled, add_special_tokens=True)
+    mismatched = [
+        text
+        for text, want in zip(handled, expected, strict=True)
+        if fast.encode(text) != (want.ids, bool(want.overflowing))
+    ]
+    assert mismatched == []
+    return len(handled)
+
+
 def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> None:
     fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
@@ -51,6 +103,34 @@ def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> Non
     assert sum(bool(e.overflowing) for e in expected) >= len(long)  # truncation was met
 
 
+def test_mixed_language_texts_equal_the_rust_tokenizers(embedder: Embedder) -> None:
+    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    assert fast is not None and fast.unicode is not None
+    texts = unicode_fuzz(4000)
+    texts += ["".join(texts[i : i + 40]) for i in range(0, 2000, 40)]  # past max_length
+    handled = equal_to_rust(fast, rust(embedder), texts)
+    assert handled > len(texts) // 3
+    assert any(not t.isascii() for t in texts if fast.handles(t))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"normalizer__lowercase": False},  # cased: no accents stripped, no lower-casing
+        {"normalizer__lowercase": False, "normalizer__strip_accents": True},
+        {"normalizer__strip_accents": False},
+        {"normalizer__handle_chinese_chars": False},  # ideographs run together as words
+    ],
+)
+def test_other_normaliser_settings_equal_the_rust_tokenizers(
+    embedder: Embedder, changes: dict
+) -> None:
+    tokenizer = _with(rust(embedder), **changes)
+    fast = wordpiece.for_tokenizer(tokenizer, embedder.info.max_length)
+    assert fast is not None and fast.unicode is not None
+    assert equal_to_rust(fast, tokenizer, unicode_fuzz(1500, seed=5)) > 500
+
+
 def test_texts_it_does_not_handle_go_to_the_rust_tokenizer_in_order(embedder: Embedder) -> None:
     texts = [
         "plain ascii text",
@@ -58,6 +138,7 @@ def test_texts_it_does_not_handle_go_to_the_rust_tokenizer_in_order(embedder: Em
         "向量检索与语义缓存",  # CJK: one token per character there
         "a [MASK] in the text",  # special tokens are matched in raw text
         "mixed 中文 and English",
+        "an ideograph outside the checked ranges: \U0002000c",
         "   ",
         "last one, plain again",
     ]
@@ -65,7 +146,31 @@ def test_texts_it_does_not_handle_go_to_the_rust_tokenizer_in_order(embedder: Em
     want, truncated = embedder._encode(texts)
     assert got.ids == want
     assert got.truncated == truncated
-    assert [wordpiece.AsciiWordPiece.handles(t) for t in texts] == [1, 0, 0, 0, 0, 1, 1]
+    fast = embedder._wordpiece
+    assert fast is not None
+    assert [fast.handles(t) for t in texts] == [1, 1, 1, 0, 1, 0, 1, 1]
+
+
+def test_characters_the_check_disagrees_on_go_to_the_rust_tokenizer(
+    monkeypatch: pytest.MonkeyPatch, embedder: Embedder
+) -> None:
+    """Rules read wrong for one character (here the ideographic comma as part of a
+    word, where BERT makes it a word of its own): the check at load leaves that
+    character out, and texts holding it go to the Rust tokenizer."""
+    read = wordpiece._unicode_rules
+
+    def misread(spec: dict, candidates: list[str]) -> wordpiece._UnicodeRules:
+        rules = read(spec, candidates)
+        # "、" and what touches it read as one word, before the rules' own split.
+        split = re.compile(f"[^\\s、]*、[^\\s、]*|{rules.split.pattern}")
+        return dataclasses.replace(rules, split=split)
+
+    monkeypatch.setattr(wordpiece, "_unicode_rules", misread)
+    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    assert fast is not None
+    assert not fast.handles("向量、检索")
+    assert fast.handles("向量，检索")
+    assert equal_to_rust(fast, rust(embedder), unicode_fuzz(500)) > 100
 
 
 def test_the_rust_tokenizer_can_be_chosen(monkeypatch: pytest.MonkeyPatch, embedder) -> None:
@@ -119,7 +224,7 @@ def test_a_fast_path_the_check_disagrees_with_is_refused(
     at load refuses it: here a continuation prefix misread from the spec."""
     read = wordpiece._from_spec
 
-    def misread(spec: dict, max_length: int) -> wordpiece.AsciiWordPiece | None:
+    def misread(spec: dict, max_length: int) -> wordpiece.FastWordPiece | None:
         fast = read(spec, max_length)
         if fast is not None:
             fast._prefix = "@@"

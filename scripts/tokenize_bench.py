@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""The tokenizer on the CPU: the Rust tokenizer against pipeline.wordpiece's fast path.
+
+Side by side in one process, on the same texts, per corpus:
+
+  english  paragraphs of the standard library's docstrings (pipeline.corpus);
+  chinese  real Chinese, Japanese and Korean text found on this machine (the UTF-8
+           samples of Python's test/cjkencodings, GnuPG's zh_CN help) and any
+           --file given (UTF-8 text; paragraphs, else lines);
+  mixed    the two interleaved: a Chinese paragraph, then an English one.
+
+For each: the share of texts the fast path takes (the rest go to the Rust
+tokenizer, as in the worker), CPU µs per text (all threads: the Rust tokenizer
+runs on several) and wall µs per text, through `Embedder.tokenize` with the fast
+path and with PIPELINE_TOKENIZER=rust, and whether every id agreed.
+
+    .venv/bin/python scripts/tokenize_bench.py [--model default] [--texts 20000]
+        [--file FILE ...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pipeline.corpus import sample_texts  # noqa: E402
+from pipeline.embedder import Embedder  # noqa: E402
+
+FOUND_CJK = [
+    *sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "test/cjkencodings/*-utf8.txt"))),
+    "/usr/share/gnupg/help.zh_CN.txt",
+]
+
+
+def cjk_texts(files: list[str]) -> list[str]:
+    texts: list[str] = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            continue
+        data = path.read_text(encoding="utf-8", errors="replace")
+        paragraphs = [p.strip() for p in data.split("\n\n") if len(p.strip()) > 10]
+        lines = [line.strip() for line in data.splitlines() if len(line.strip()) > 10]
+        texts += paragraphs if len(paragraphs) > 3 else lines
+    return texts
+
+
+def corpora(count: int, files: list[str]) -> dict[str, list[str]]:
+    english = sample_texts(count)
+    found = cjk_texts(files)
+    result = {"english": english}
+    if found:
+        chinese = [found[i % len(found)] for i in range(count)]
+        result["chinese"] = chinese
+        result["mixed"] = [chinese[i // 2] if i % 2 else english[i // 2] for i in range(count)]
+    return result
+
+
+def timed(embedder: Embedder, texts: list[str]) -> tuple[list[list[int]], float, float]:
+    cpu, wall = time.process_time(), time.perf_counter()
+    ids = embedder.tokenize(texts).ids
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    return ids, cpu / len(texts) * 1e6, wall / len(texts) * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--texts", type=int, default=20_000)
+    parser.add_argument("--file", action="append", default=[])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    embedder = Embedder.load(args.model, device="cpu")
+    fast = embedder._wordpiece
+    if fast is None:
+        raise SystemExit(f"tokenize_bench: {args.model}'s tokenizer has no fast path")
+    rows: list[dict[str, Any]] = []
+    for name, texts in corpora(args.texts, [*args.file, *FOUND_CJK]).items():
+        embedder.tokenize(texts[:200])  # warm both paths' memos and pools alike
+        fast_ids, fast_cpu, fast_wall = timed(embedder, texts)
+        embedder._wordpiece = None
+        rust_ids, rust_cpu, rust_wall = timed(embedder, texts)
+        embedder._wordpiece = fast
+        rows.append({
+            "corpus": name,
+            "texts": len(texts),
+            "mean_chars": round(sum(map(len, texts)) / len(texts), 1),
+            "taken": round(sum(map(fast.handles, texts)) / len(texts), 4),
+            "rust_cpu_us": round(rust_cpu, 1),
+            "fast_cpu_us": round(fast_cpu, 1),
+            "rust_wall_us": round(rust_wall, 1),
+            "fast_wall_us": round(fast_wall, 1),
+            "cpu_ratio": round(fast_cpu / rust_cpu, 3),
+            "ids_equal": fast_ids == rust_ids,
+        })  # fmt: skip
+    print(f"tokenizer ({args.model}), µs per text; ratio = fast CPU / Rust CPU")
+    for r in rows:
+        print(
+            f"  {r['corpus']:<8} {r['texts']:>6} texts of {r['mean_chars']:>6} chars, "
+            f"{r['taken']:.1%} taken: CPU rust {r['rust_cpu_us']:6.1f} fast "
+            f"{r['fast_cpu_us']:6.1f} (ratio {r['cpu_ratio']:.2f}); wall rust "
+            f"{r['rust_wall_us']:6.1f} fast {r['fast_wall_us']:6.1f}; ids equal: {r['ids_equal']}"
+        )
+    if "chinese" not in {r["corpus"] for r in rows}:
+        print("  (no Chinese text found on this machine: pass --file)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0 if all(r["ids_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
