@@ -22,8 +22,9 @@ accents stripped (NFD, then nonspacing marks removed) where the model is
 uncased, each CJK ideograph a word of its own, every Unicode punctuation mark a
 word. Python's Unicode tables are not the Rust crates' (they differ in version),
 so the characters this path takes are the ones it was shown to treat exactly as
-the Rust normaliser and pre-tokeniser do, one by one, at load (`_UnicodeRules`,
-a fifth of a second): a text with any other character goes to the Rust tokenizer.
+the Rust normaliser and pre-tokeniser do, one by one, when the first non-ASCII text
+comes (`_UnicodeRules`, a fifth of a second): a text with any other character goes
+to the Rust tokenizer.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -113,13 +115,31 @@ class FastWordPiece:
         self._max_body = max_length - 2
         self._memo: dict[str, list[int]] = {}
         self.unicode: _UnicodeRules | None = None
+        # What the non-ASCII rules are built and checked against, at the first
+        # non-ASCII text: English-only work never pays the check's fifth of a second.
+        self._unicode_source: tuple[dict[str, Any], Any] | None = None
+        self._unicode_lock = threading.Lock()
 
     def handles(self, text: str) -> bool:
         if "[" in text:
             return False
         if text.isascii():
             return True
-        return self.unicode is not None and self.unicode.takes(text)
+        rules = self.unicode if self._unicode_source is None else self.unicode_rules()
+        return rules is not None and rules.takes(text)
+
+    def unicode_rules(self) -> _UnicodeRules | None:
+        """The non-ASCII rules, built and checked on first use; None where the check
+        found a difference (then only ASCII texts are taken)."""
+        with self._unicode_lock:
+            if self._unicode_source is not None:
+                spec, rust_tokenizer = self._unicode_source
+                self.unicode = _checked_unicode(spec, rust_tokenizer)
+                self._unicode_source = None
+                if self.unicode is not None and not _agrees(self, rust_tokenizer, _mixed_texts()):
+                    self.unicode = None
+                self._memo.clear()  # the samples' words are not the corpus's
+        return self.unicode
 
     def encode(self, text: str) -> tuple[list[int], bool]:
         """(ids, whether the text was truncated) of a text that `handles` accepts."""
@@ -291,15 +311,22 @@ def for_tokenizer(rust_tokenizer: Any, max_length: int) -> FastWordPiece | None:
     fast = _from_spec(spec, max_length)
     if fast is None:
         return None
-    fast.unicode = _checked_unicode(spec, rust_tokenizer)
-    sample = [text for text in _check_texts() if fast.handles(text)]
+    if not _agrees(fast, rust_tokenizer, _check_texts()):
+        return None
+    fast._memo.clear()  # the sample's words are not the corpus's
+    fast._unicode_source = (spec, rust_tokenizer)
+    return fast
+
+
+def _agrees(fast: FastWordPiece, rust_tokenizer: Any, texts: Iterable[str]) -> bool:
+    """Whether the fast path's ids are the Rust tokenizer's on every text it takes."""
+    sample = [text for text in texts if fast.handles(text)]
     expected = rust_tokenizer.encode_batch(sample, add_special_tokens=True)
     for text, encoding in zip(sample, expected, strict=True):
         if fast.encode(text) != (encoding.ids, bool(encoding.overflowing)):
             log.warning("tokenizer: the fast path differs on %r; not used", text[:60])
-            return None
-    fast._memo.clear()  # the sample's words are not the corpus's
-    return fast
+            return False
+    return True
 
 
 def _from_spec(spec: dict[str, Any], max_length: int) -> FastWordPiece | None:
@@ -351,9 +378,7 @@ def _cls_sep(post: dict[str, Any]) -> tuple[str, str] | None:
 def _check_texts() -> Iterable[str]:
     """Prose, truncation, control characters, punctuation runs, long and unknown words."""
     yield from _PROSE
-    yield from _MIXED
     yield " ".join(_PROSE * 8)  # longer than any max_length
-    yield "".join(_MIXED * 30)
     yield ""
     yield "\t\n\r \x00\x07\x7f"
     yield "Hello,World!!! (e.g.) 3.14159 -- x_y/z \\ ~`^{}<>@#$%&*+=|'\"?"
@@ -373,6 +398,13 @@ _PROSE = (
     "https://example.com/path?query=1&b=2#frag user@example.org 192.168.0.1:9092",
     "Version 3.0.12 -- released 2026-11-30; see CHANGES.rst for the full list.",
 )
+
+
+def _mixed_texts() -> Iterable[str]:
+    """Chinese, mixed scripts, accents, full-width forms, emoji, odd spaces; truncation."""
+    yield from _MIXED
+    yield "".join(_MIXED * 30)
+
 
 _MIXED = (
     "向量检索与语义缓存：动态批处理、量化和多副本服务。",

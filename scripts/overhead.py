@@ -6,21 +6,24 @@ One run, one fresh topic of short JSON records, side by side:
   (bare) kafka-python's KafkaConsumer from the beginning, `json.loads` of every value,
          until every record was read: what no pipeline can beat on this host;
   (pipe) `pipeline run --until-end` with a random BERT (scripts/tiny_model.py; `--tiny
-         nano` by default: one layer of 8 dimensions, the model costs almost nothing;
-         `--tiny tiny` costs about as much as the tokenizer), a fresh group and output:
+         nano` by default: one layer of 8 dimensions, yet 15-20 µs of CPU a text;
+         `--tiny zero`, no layer at all, costs least; `--tiny tiny` about as much as the
+         tokenizer), a fresh group and output:
          records/s from its `done:` line (first record to last commit), and start-up, from process
          start to the first record polled (its log line).
 
 The ratio pipe/bare is the share of Kafka's own speed the pipeline keeps; the target
-is at least 0.5. Rounds alternate (--repeat N) and the medians are compared.
+is at least 0.5. `--corpus chinese|mixed` publishes Chinese (or half Chinese) text
+found on the machine instead of English (scripts/tokenize_bench.py). Rounds alternate
+(--repeat N) and the medians are compared.
 
 --variants runs the pipeline once per variant in every round: NAME=[ENV=VALUE ...]
 [WORKER FLAGS], e.g. "fast=;rust=PIPELINE_TOKENIZER=rust" (the WordPiece fast
 path against the Rust tokenizer) or "native=;transformers=PIPELINE_ENCODER=transformers".
 
     .venv/bin/python scripts/overhead.py [--records 50000] [--partitions 3] [--repeat 3]
-        [--variants "default="] [--tiny nano|tiny] [--bootstrap-servers 127.0.0.1:9092]
-        [--json FILE]
+        [--variants "default="] [--tiny zero|nano|tiny] [--corpus english|chinese|mixed]
+        [--bootstrap-servers 127.0.0.1:9092] [--json FILE]
 """
 
 from __future__ import annotations
@@ -51,21 +54,25 @@ _DONE = re.compile(r"done: (?P<records>\d+) records .*?, (?P<rate>[\d,.]+) recor
 _FIRST = re.compile(r"first record polled (?P<s>[\d.]+)s after process start")
 
 
-def publish(kafka: KafkaSettings, records: int, partitions: int) -> str:
+def publish(kafka: KafkaSettings, records: int, partitions: int, corpus: str = "english") -> str:
     from kafka import KafkaProducer
+    from tokenize_bench import FOUND_CJK, corpora
 
-    from pipeline.corpus import sample_texts
-
+    texts = corpora(records, FOUND_CJK).get(corpus)
+    if texts is None:
+        raise SystemExit(
+            f"overhead: no {corpus} text on this machine (see scripts/tokenize_bench.py)"
+        )
     topic = f"overhead-{uuid.uuid4().hex[:10]}"
     with cluster.admin_client(kafka) as admin:
         cluster.create_topic(admin, kafka, topic, partitions)
-    texts = sample_texts(records)
     producer = KafkaProducer(
         acks="all", linger_ms=20, batch_size=256 * 1024, **kafka.client_kwargs()
     )
     for n in range(records):
         value = {"id": f"r{n}", "text": texts[n % len(texts)][:300]}
-        producer.send(topic, json.dumps(value).encode(), partition=n % partitions)
+        value_bytes = json.dumps(value, ensure_ascii=False).encode()
+        producer.send(topic, value_bytes, partition=n % partitions)
     producer.flush(timeout=300)
     producer.close(timeout=30)
     return topic
@@ -133,8 +140,12 @@ def main() -> int:
         help="NAME=[ENV=VALUE ...] [WORKER FLAGS];... each run every round",
     )
     parser.add_argument(
-        "--tiny", choices=("nano", "tiny"), default="nano",
-        help="the random model (scripts/tiny_model.py): nano costs close to nothing",
+        "--tiny", choices=("zero", "nano", "tiny"), default="nano",
+        help="the random model (scripts/tiny_model.py): zero costs least, then nano",
+    )  # fmt: skip
+    parser.add_argument(
+        "--corpus", choices=("english", "chinese", "mixed"), default="english",
+        help="the texts published (scripts/tokenize_bench.py; chinese needs CJK text here)",
     )  # fmt: skip
     parser.add_argument("--bootstrap-servers", default=DEFAULT_BOOTSTRAP)
     parser.add_argument("--json", type=Path, default=None)
@@ -145,7 +156,7 @@ def main() -> int:
         [sys.executable, str(REPO / "scripts" / "tiny_model.py"), f"--{args.tiny}"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    topic = publish(kafka, args.records, args.partitions)
+    topic = publish(kafka, args.records, args.partitions, args.corpus)
     bares: list[float] = []
     pipes: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="overhead-") as work:

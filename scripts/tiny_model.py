@@ -6,17 +6,21 @@ microseconds on a CPU, so that their runs are dominated by Kafka and by the
 worker's own protocol, not by matrix products. The vectors mean nothing; they
 are deterministic (fixed seed), mean-pooled and L2-normalised.
 
-Three variants:
+Four variants:
 - `tiny` (default): 32 dimensions, 2 layers, 128 tokens; embeds thousands of texts a second.
 - `nano`: 8 dimensions, 1 layer; the model's share of a pass is close to nothing, for
   measuring the path around the model (scripts/overhead.py).
+- `zero`: `nano` without any transformer layer (token embeddings, their layer norm and
+  mean pooling): the model's real code path at the least cost it can have, a few
+  µs a text (one layer of `nano` costs 15-20 µs of CPU a text: attention and layer
+  norms over every token).
 - `slow`: 128 dimensions, 4 layers, 512 tokens; on long texts a micro-batch takes
   seconds, so that rebalances find batches in flight (the revoke wait, dropped batches).
 
 The tokenizer files are copied from the installed default model package, so the
 tokenizer is the real one (fast, Rust) with the same vocabulary.
 
-    .venv/bin/python scripts/tiny_model.py [DIR] [--slow | --nano]     # prints the folder
+    .venv/bin/python scripts/tiny_model.py [DIR] [--slow | --nano | --zero]     # prints the folder
 
 Built once and cached (default ~/.cache/embedding-pipeline/tiny-model[-slow]); a build
 is written to a temp folder and renamed into place, so concurrent builders are safe.
@@ -46,6 +50,7 @@ class Recipe:
 RECIPES = {
     "tiny": Recipe(hidden=32, layers=2, heads=2, intermediate=64, max_seq_length=128, version="1"),
     "nano": Recipe(hidden=8, layers=1, heads=1, intermediate=8, max_seq_length=128, version="1"),
+    "zero": Recipe(hidden=8, layers=0, heads=1, intermediate=8, max_seq_length=128, version="1"),
     "slow": Recipe(
         hidden=128, layers=4, heads=4, intermediate=512, max_seq_length=512, version="slow-3"
     ),

@@ -105,7 +105,7 @@ def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> Non
 
 def test_mixed_language_texts_equal_the_rust_tokenizers(embedder: Embedder) -> None:
     fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
-    assert fast is not None and fast.unicode is not None
+    assert fast is not None and fast.unicode_rules() is not None
     texts = unicode_fuzz(4000)
     texts += ["".join(texts[i : i + 40]) for i in range(0, 2000, 40)]  # past max_length
     handled = equal_to_rust(fast, rust(embedder), texts)
@@ -127,7 +127,7 @@ def test_other_normaliser_settings_equal_the_rust_tokenizers(
 ) -> None:
     tokenizer = _with(rust(embedder), **changes)
     fast = wordpiece.for_tokenizer(tokenizer, embedder.info.max_length)
-    assert fast is not None and fast.unicode is not None
+    assert fast is not None and fast.unicode_rules() is not None
     assert equal_to_rust(fast, tokenizer, unicode_fuzz(1500, seed=5)) > 500
 
 
@@ -232,3 +232,24 @@ def test_a_fast_path_the_check_disagrees_with_is_refused(
 
     monkeypatch.setattr(wordpiece, "_from_spec", misread)
     assert wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length) is None
+
+
+def test_non_ascii_rules_the_sample_check_disagrees_with_are_not_used(
+    monkeypatch: pytest.MonkeyPatch, embedder: Embedder
+) -> None:
+    """Rules that pass the character check but misread a setting (here: no
+    lower-casing for an uncased model) fail the check on whole mixed texts, made
+    at the first non-ASCII text: from then on only ASCII texts are taken."""
+    checked = wordpiece._checked_unicode
+
+    def unlowered(spec: dict, rust_tokenizer: Tokenizer) -> wordpiece._UnicodeRules | None:
+        rules = checked(spec, rust_tokenizer)
+        return None if rules is None else dataclasses.replace(rules, lowercase=False)
+
+    monkeypatch.setattr(wordpiece, "_checked_unicode", unlowered)
+    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    assert fast is not None
+    assert fast.unicode is None  # not built at load: English-only work never pays for it
+    assert not fast.handles("Café au lait")
+    assert fast.unicode_rules() is None
+    assert fast.handles("Cafe au lait")
