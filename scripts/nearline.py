@@ -14,9 +14,10 @@ side, and how many records were still not visible at the end (the lag left).
         [--model default] [--precision fp32] [--json FILE]
 
 Each run also samples the worker's RSS once a second over the timed part: its
-first and last sample and its highest, for memory over a long nearline run
-(e.g. `--seconds 3600 --busy 0 --variants default=`), and its anonymous part;
-with `--smaps-dir DIR`, copies of its /proc/PID/smaps at `--smaps-minutes`.
+first and last sample, its highest, and the medians of its first and last minute,
+for memory over a long nearline run (e.g. `--seconds 3600 --busy 0 --variants
+default=`), and its anonymous part; with `--smaps-dir DIR`, copies of its
+/proc/PID/smaps at `--smaps-minutes`.
 
 A variant is NAME=[ENV=VALUE ...] EXTRA WORKER FLAGS; `before` is the layout workers had before
 replicas and bucketed shapes (one replica with a team of two threads).
@@ -218,6 +219,10 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
         "rss_max_mb": max(rss.samples) if rss.samples else None,
         "anon_first_mb": rss.anon[0] if rss.anon else None,
         "anon_last_mb": rss.anon[-1] if rss.anon else None,
+        # Medians of the first and the last minute: the heap's saw-tooth (tens of MB
+        # as batches come and go) makes any one sample a poor end point.
+        "rss_first_minute_mb": _median(rss.samples[:60]),
+        "rss_last_minute_mb": _median(rss.samples[-60:]),
         # One sample a minute, to tell steady growth from a saw-tooth (JSON only).
         "rss_per_minute_mb": rss.samples[::60],
         "anon_per_minute_mb": rss.anon[::60],
@@ -225,6 +230,10 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
     with cluster.admin_client(kafka) as admin:
         admin.delete_topics([topic])
     return result
+
+
+def _median(values: list[int]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _pct(values: list[float], pct: float) -> float | None:
@@ -282,7 +291,8 @@ def _line(r: dict) -> str:
         f"  {r['variant']:<8} busy cores {r['busy']}: p50 {fmt(r['p50_s'])}s "
         f"p99 {fmt(r['p99_s'])}s max {fmt(r['max_s'])}s, "
         f"{r['not_visible']} of {r['records']} not visible at the end; RSS "
-        f"{r['rss_first_mb']} -> {r['rss_last_mb']} MB (max {r['rss_max_mb']}), "
+        f"{r['rss_first_mb']} -> {r['rss_last_mb']} MB (max {r['rss_max_mb']}; medians of the "
+        f"first and last minute {r['rss_first_minute_mb']} -> {r['rss_last_minute_mb']}), "
         f"anonymous {r['anon_first_mb']} -> {r['anon_last_mb']} MB"
     )
 
