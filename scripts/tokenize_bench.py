@@ -61,7 +61,9 @@ def corpora(count: int, files: list[str]) -> dict[str, list[str]]:
     if found:
         chinese = [found[i % len(found)] for i in range(count)]
         result["chinese"] = chinese
-        result["mixed"] = [chinese[i // 2] if i % 2 else english[i // 2] for i in range(count)]
+        result["mixed"] = [
+            chinese[i // 2] if i % 2 else english[(i // 2) % len(english)] for i in range(count)
+        ]
     return result
 
 
