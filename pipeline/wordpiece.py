@@ -22,19 +22,20 @@ accents stripped (NFD, then nonspacing marks removed) where the model is
 uncased, each CJK ideograph a word of its own, every Unicode punctuation mark a
 word. Python's Unicode tables are not the Rust crates' (they differ in version),
 so the characters this path takes are the ones it was shown to treat exactly as
-the Rust normaliser and pre-tokeniser do, one by one, when the first non-ASCII text
-comes (`_UnicodeRules`, a fifth of a second): a text with any other character goes
-to the Rust tokenizer.
+the Rust normaliser and pre-tokeniser do, one by one as texts bring them
+(`_CharacterCheck`, a few µs a character): a text with any other character goes to
+the Rust tokenizer.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import threading
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -115,8 +116,9 @@ class FastWordPiece:
         self._max_body = max_length - 2
         self._memo: dict[str, list[int]] = {}
         self.unicode: _UnicodeRules | None = None
-        # What the non-ASCII rules are built and checked against, at the first
-        # non-ASCII text: English-only work never pays the check's fifth of a second.
+        self._characters: _CharacterCheck | None = None
+        # What the non-ASCII rules are built from and checked against, at the first
+        # non-ASCII text: English-only work never pays for them.
         self._unicode_source: tuple[dict[str, Any], Any] | None = None
         self._unicode_lock = threading.Lock()
 
@@ -125,19 +127,22 @@ class FastWordPiece:
             return False
         if text.isascii():
             return True
-        rules = self.unicode if self._unicode_source is None else self.unicode_rules()
-        return rules is not None and rules.takes(text)
+        if self._unicode_source is not None:
+            self.unicode_rules()
+        return self._characters is not None and self._characters.takes(text)
 
     def unicode_rules(self) -> _UnicodeRules | None:
-        """The non-ASCII rules, built and checked on first use; None where the check
-        found a difference (then only ASCII texts are taken)."""
+        """The non-ASCII rules, built and checked on first use (30 ms); None where
+        the check on mixed texts found a difference (then only ASCII is taken)."""
         with self._unicode_lock:
             if self._unicode_source is not None:
                 spec, rust_tokenizer = self._unicode_source
-                self.unicode = _checked_unicode(spec, rust_tokenizer)
                 self._unicode_source = None
-                if self.unicode is not None and not _agrees(self, rust_tokenizer, _mixed_texts()):
-                    self.unicode = None
+                checks = _character_check(spec, rust_tokenizer)
+                if checks is not None:
+                    self.unicode, self._characters = checks
+                    if not _agrees(self, rust_tokenizer, _mixed_texts()):
+                        self.unicode = self._characters = None
                 self._memo.clear()  # the samples' words are not the corpus's
         return self.unicode
 
@@ -196,16 +201,14 @@ class _UnicodeRules:
     """BertNormalizer and BertPreTokenizer for non-ASCII text, in the Rust order:
     drop "other" characters, strip accents (NFD, then nonspacing marks), lower-case;
     then words are CJK ideographs, punctuation marks and runs of anything else,
-    split at whitespace."""
+    split at whitespace. The classes come from Python's Unicode tables for the
+    Basic Multilingual Plane (a class reaching past it is scanned range by range,
+    30 times slower); `_CharacterCheck` takes only characters they serve right."""
 
-    untaken: re.Pattern[str]  # a character not checked against the Rust tokenizer
     dropped: re.Pattern[str]
     marks: re.Pattern[str] | None  # nonspacing marks, where accents are stripped
     lowercase: bool
     split: re.Pattern[str]
-
-    def takes(self, text: str) -> bool:
-        return self.untaken.search(text) is None
 
     def words(self, text: str) -> list[str]:
         if self.dropped.search(text):
@@ -217,67 +220,102 @@ class _UnicodeRules:
         return self.split.findall(text)
 
 
-def _unicode_rules(spec: dict[str, Any], candidates: list[str]) -> _UnicodeRules:
-    """Rules from the normaliser's settings and Python's Unicode tables, for texts of
-    ASCII and `candidates` (the classes hold only what such texts can come to hold:
-    a class with every code point is scanned range by range, 30 times slower)."""
-    normalizer = spec["normalizer"]
-    lowercase = bool(normalizer.get("lowercase"))
-    strip = normalizer.get("strip_accents")
-    strip_accents = lowercase if strip is None else bool(strip)
-    reachable = {chr(code) for code in range(0x80)}
-    for char in candidates:
-        decomposed = unicodedata.normalize("NFD", char)
-        reachable.update(char, decomposed, decomposed.lower(), char.lower())
-    category = {char: unicodedata.category(char) for char in reachable}
-    cjk = ""
-    if normalizer.get("handle_chinese_chars", True):
-        cjk = _chars_class(c for c in reachable if any(a <= ord(c) <= b for a, b in _CJK_RANGES))
-    dropped = [c for c, k in category.items() if k[0] == "C" and c not in "\t\n\r"]
-    punct = _PUNCTUATION[1:-1] + _chars_class(c for c, k in category.items() if k[0] == "P")
-    marks = [c for c, k in category.items() if k == "Mn"]
-    runs = f"[^\\s{punct}{cjk}]+"
-    singles = f"[{punct}{cjk}]"
-    return _UnicodeRules(
-        untaken=re.compile("."),  # nothing is taken until the check has run
-        dropped=re.compile(f"[{_chars_class([*dropped, chr(0xFFFD)])}]"),
-        marks=re.compile(f"[{_chars_class(marks)}]") if strip_accents and marks else None,
-        lowercase=lowercase,
-        split=re.compile(f"{singles}|{runs}"),
-    )
+class _CharacterCheck:
+    """Which non-ASCII characters the rules treat exactly as the Rust normaliser and
+    pre-tokeniser do, judged one by one as texts bring them: "a" + character + "a"
+    must come out as the same words both ways (about 6 µs a character; a Chinese
+    corpus meets a few thousand). Only characters of CANDIDATE_RANGES are judged."""
+
+    MAX_REFUSED = 50_000  # forgotten past this (judged again when met): memory stays bounded
+
+    def __init__(self, rules: _UnicodeRules, normalize: Any, pre_tokenize: Any) -> None:
+        self._rules = rules
+        self._normalize = normalize
+        self._pre_tokenize = pre_tokenize
+        self._taken = {chr(code) for code in range(0x80)}
+        self._refused: set[str] = set()
+
+    def takes(self, text: str) -> bool:
+        unseen = set(text)
+        unseen -= self._taken
+        if not unseen:
+            return True
+        if not unseen.isdisjoint(self._refused):
+            return False
+        return all([self._judge(char) for char in unseen])  # every one judged, remembered
+
+    def _judge(self, char: str) -> bool:
+        probe = f"a{char}a"
+        agrees = _is_candidate(char, self._rules.lowercase) and self._rules.words(probe) == [
+            word for word, _ in self._pre_tokenize(self._normalize(probe))
+        ]
+        if agrees:
+            self._taken.add(char)
+        else:
+            if len(self._refused) >= self.MAX_REFUSED:
+                self._refused.clear()
+            self._refused.add(char)
+        return agrees
 
 
-def _checked_unicode(spec: dict[str, Any], rust_tokenizer: Any) -> _UnicodeRules | None:
-    """Rules taking the candidate characters on which they split and normalise
-    "a" + character + "a" exactly as the Rust normaliser and pre-tokeniser do."""
+def _character_check(
+    spec: dict[str, Any], rust_tokenizer: Any
+) -> tuple[_UnicodeRules, _CharacterCheck] | None:
     try:
         normalize = rust_tokenizer.normalizer.normalize_str
         pre_tokenize = rust_tokenizer.pre_tokenizer.pre_tokenize_str
     except AttributeError:
         return None
-    candidates = list(_candidates(lowercase=bool(spec["normalizer"].get("lowercase"))))
-    rules = _unicode_rules(spec, candidates)
-    taken = []
-    for char in candidates:
-        probe = f"a{char}a"
-        if [word for word, _ in pre_tokenize(normalize(probe))] == rules.words(probe):
-            taken.append(char)
-    if not taken:
-        return None
-    untaken = re.compile(f"[^\\x00-\\x7f{_chars_class(taken)}]")
-    return _UnicodeRules(untaken, rules.dropped, rules.marks, rules.lowercase, rules.split)
+    rules = _unicode_rules(spec)
+    return rules, _CharacterCheck(rules, normalize, pre_tokenize)
 
 
-def _candidates(lowercase: bool) -> Iterator[str]:
-    for first, last in CANDIDATE_RANGES:
-        for code in range(first, last + 1):
-            char = chr(code)
-            # Unassigned here may be assigned in the Rust tables, and the other way round.
-            if unicodedata.category(char) == "Cn":
-                continue
-            if lowercase and char in _CONTEXTUAL_CASE:
-                continue
-            yield char
+def _unicode_rules(spec: dict[str, Any]) -> _UnicodeRules:
+    """Rules from the normaliser's settings and Python's Unicode tables."""
+    normalizer = spec["normalizer"]
+    lowercase = bool(normalizer.get("lowercase"))
+    strip = normalizer.get("strip_accents")
+    strip_accents = lowercase if strip is None else bool(strip)
+    dropped, punctuation, marks = _bmp_classes()
+    cjk = _chars_class(
+        chr(code)
+        for first, last in _CJK_RANGES
+        if last <= 0xFFFF
+        for code in range(first, last + 1)
+    )
+    if not normalizer.get("handle_chinese_chars", True):
+        cjk = ""
+    punct = _PUNCTUATION[1:-1] + punctuation
+    return _UnicodeRules(
+        dropped=re.compile(f"[{dropped}]"),
+        marks=re.compile(f"[{marks}]") if strip_accents else None,
+        lowercase=lowercase,
+        split=re.compile(f"[{punct}{cjk}]|[^\\s{punct}{cjk}]+"),
+    )
+
+
+@functools.cache
+def _bmp_classes() -> tuple[str, str, str]:
+    """Regex class bodies over the Basic Multilingual Plane: what clean_text drops
+    ("other" categories but tab, newline and carriage return; U+FFFD), punctuation,
+    nonspacing marks."""
+    category = {chr(code): unicodedata.category(chr(code)) for code in range(0x80, 0x10000)}
+    dropped = [c for c, k in category.items() if k[0] == "C"]
+    dropped += [chr(code) for code in range(0x80) if unicodedata.category(chr(code)) == "Cc"]
+    dropped = [c for c in dropped if c not in "\t\n\r"] + ["\ufffd"]
+    punctuation = [c for c, k in category.items() if k[0] == "P"]
+    marks = [c for c, k in category.items() if k == "Mn"]
+    return _chars_class(dropped), _chars_class(punctuation), _chars_class(marks)
+
+
+def _is_candidate(char: str, lowercase: bool) -> bool:
+    code = ord(char)
+    if not any(first <= code <= last for first, last in CANDIDATE_RANGES):
+        return False
+    # Unassigned here may be assigned in the Rust tables, and the other way round.
+    if unicodedata.category(char) == "Cn":
+        return False
+    return not (lowercase and char in _CONTEXTUAL_CASE)
 
 
 def _chars_class(chars: Iterable[str]) -> str:

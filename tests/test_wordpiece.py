@@ -159,8 +159,8 @@ def test_characters_the_check_disagrees_on_go_to_the_rust_tokenizer(
     character out, and texts holding it go to the Rust tokenizer."""
     read = wordpiece._unicode_rules
 
-    def misread(spec: dict, candidates: list[str]) -> wordpiece._UnicodeRules:
-        rules = read(spec, candidates)
+    def misread(spec: dict) -> wordpiece._UnicodeRules:
+        rules = read(spec)
         # "、" and what touches it read as one word, before the rules' own split.
         split = re.compile(f"[^\\s、]*、[^\\s、]*|{rules.split.pattern}")
         return dataclasses.replace(rules, split=split)
@@ -240,13 +240,12 @@ def test_non_ascii_rules_the_sample_check_disagrees_with_are_not_used(
     """Rules that pass the character check but misread a setting (here: no
     lower-casing for an uncased model) fail the check on whole mixed texts, made
     at the first non-ASCII text: from then on only ASCII texts are taken."""
-    checked = wordpiece._checked_unicode
+    read = wordpiece._unicode_rules
 
-    def unlowered(spec: dict, rust_tokenizer: Tokenizer) -> wordpiece._UnicodeRules | None:
-        rules = checked(spec, rust_tokenizer)
-        return None if rules is None else dataclasses.replace(rules, lowercase=False)
+    def unlowered(spec: dict) -> wordpiece._UnicodeRules:
+        return dataclasses.replace(read(spec), lowercase=False)
 
-    monkeypatch.setattr(wordpiece, "_checked_unicode", unlowered)
+    monkeypatch.setattr(wordpiece, "_unicode_rules", unlowered)
     fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
     assert fast.unicode is None  # not built at load: English-only work never pays for it
