@@ -231,6 +231,7 @@ class Worker:
         self.parquet = ParquetSink(self.config.output, self.embedder.info)
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
         index_shards.preload(self.embedder.info.dim)
+        self.parquet.preload()
         freeze_start_up_objects()
 
     def _preflight(self) -> dict[TopicPartition, int]:

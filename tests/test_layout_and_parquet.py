@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -204,6 +205,17 @@ def test_publish_of_a_temp_file_removed_meanwhile_is_a_lost_race(sink: ParquetSi
     staged.tmp_path.unlink()  # removed as stale while its writer was stopped
     assert not sink.publish(staged)
     assert not staged.final_path.exists()
+
+
+def test_preload_writes_nothing_in_the_output_and_survives_an_unwritable_temp_dir(
+    sink: ParquetSink, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    sink.preload()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    sink.preload()  # no error: start-up goes on, the preload only saves later page-ins
 
 
 def test_schema_types_per_contract(sink: ParquetSink) -> None:
