@@ -52,7 +52,7 @@ _CASED_WORDS = re.compile(rf"[A-Za-z0-9]+|{_PUNCTUATION}")
 # The memo of word -> pieces: the common words of a corpus, a few MB at most.
 MAX_REMEMBERED_WORDS = 50_000
 
-# The non-ASCII characters offered to the fast path, checked one by one at load:
+# The non-ASCII characters offered to the fast path (each judged when first met):
 # Latin, Greek, Cyrillic, Armenian, Hebrew, Arabic, Devanagari, Thai, general and
 # CJK punctuation, symbols, kana, CJK ideographs, Hangul, full-width forms, emoji
 # (48k characters in all).
@@ -90,8 +90,8 @@ _CONTEXTUAL_CASE = "\u03a3"
 
 class FastWordPiece:
     """Token ids (with [CLS] and [SEP], truncated to `max_length`) of the texts
-    `handles` accepts: ASCII, and once `_UnicodeRules` are attached, texts of the
-    characters they were checked on."""
+    `handles` accepts: ASCII, and texts of the non-ASCII characters `_CharacterCheck`
+    has taken."""
 
     def __init__(
         self,
@@ -277,14 +277,10 @@ def _unicode_rules(spec: dict[str, Any]) -> _UnicodeRules:
     strip = normalizer.get("strip_accents")
     strip_accents = lowercase if strip is None else bool(strip)
     dropped, punctuation, marks = _bmp_classes()
-    cjk = _chars_class(
-        chr(code)
-        for first, last in _CJK_RANGES
-        if last <= 0xFFFF
-        for code in range(first, last + 1)
-    )
-    if not normalizer.get("handle_chinese_chars", True):
-        cjk = ""
+    cjk = ""
+    if normalizer.get("handle_chinese_chars", True):
+        bmp = [(first, last) for first, last in _CJK_RANGES if last <= 0xFFFF]
+        cjk = _chars_class(chr(code) for first, last in bmp for code in range(first, last + 1))
     punct = _PUNCTUATION[1:-1] + punctuation
     return _UnicodeRules(
         dropped=re.compile(f"[{dropped}]"),
