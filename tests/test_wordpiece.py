@@ -7,6 +7,9 @@ import json
 import random
 import re
 import string
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
@@ -252,3 +255,18 @@ def test_non_ascii_rules_the_sample_check_disagrees_with_are_not_used(
     assert not fast.handles("Café au lait")
     assert fast.unicode_rules() is None
     assert fast.handles("Cafe au lait")
+
+
+def test_tokenize_bench_compares_both_paths_on_every_corpus(tmp_path: Path) -> None:
+    """scripts/tokenize_bench.py (the figures in the README) runs, and the two paths
+    gave the same ids on English and, where the machine has CJK text, Chinese and mixed."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tokenize_bench.py"
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--texts", "300", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())
+    assert {"english"} <= {r["corpus"] for r in rows}
+    assert all(r["ids_equal"] and r["taken"] > 0.5 for r in rows), rows
