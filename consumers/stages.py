@@ -152,11 +152,9 @@ class WriteStage(Stage):
         metrics: WorkerMetrics,
         index_sync_interval_s: float,
         alive: Callable[[], bool] = lambda: True,
-        published: threading.Event | None = None,
     ) -> None:
         super().__init__("write", inbox, stop)
         self.done = done
-        self.published = published or threading.Event()  # set after each batch is done
         self.parquet = parquet
         self.dead_letter = dead_letter
         self.index = index
@@ -178,7 +176,6 @@ class WriteStage(Stage):
         self._dirty = self._dirty or published.rows > 0
         self.in_flight.finished(item.batch.number)
         self.put(self.done, published)
-        self.published.set()
         if time.monotonic() - self._last_sync >= self.index_sync_interval_s:
             self.sync_index()
 

@@ -139,7 +139,6 @@ class Worker:
         self._embed_q: queue.Queue[MicroBatch] = queue.Queue(maxsize=config.max_in_flight + 1)
         self._write_q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._done_q: queue.Queue[PublishedBatch] = queue.Queue()
-        self._published = threading.Event()  # set by the write stage as a batch is done
         # Priority tiers (consumers.tiers): nearline topics first, backfill topics after.
         self._tiers: Tiers | None = None
         self._poll_records: int | None = None  # a poll's record cap while backfill is read
@@ -340,7 +339,6 @@ class Worker:
             self.metrics,
             self.config.index_sync_interval_s,
             alive=self._heard_by_group,
-            published=self._published,
         )
         self._stages = [embed, write]
         if self._tiers is not None:
@@ -375,20 +373,10 @@ class Worker:
         last_end_check = 0.0
         while not self.shutdown.is_set():
             self._check_stages()
-            self._published.clear()
             self._collect_published()
+            self._flow_control()
             timeout = self._poll_timeout_ms()
-            if self._flow_control():
-                # Every partition is paused: nothing comes before a batch is done.
-                # kafka-python would sleep out the poll's timeout (measured: 100 ms
-                # lost per pause, a fifth of a bulk run's time); the write stage's
-                # signal ends the wait instead.
-                polled = self._apply_rebalance(self._poll(0))
-                if not polled:
-                    self._published.wait(timeout / 1000)
-                timeout = 0
-            else:
-                polled = self._apply_rebalance(self._poll(timeout))
+            polled = self._apply_rebalance(self._poll(timeout))
             if polled:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = time.monotonic()
@@ -529,16 +517,13 @@ class Worker:
             except queue.Full:
                 self._check_stages()
 
-    def _flow_control(self) -> bool:
-        """Pauses what must wait; True when that is every assigned partition."""
+    def _flow_control(self) -> None:
         assert self._reader is not None
         if self._tiers is not None:
-            paused = self._tier_pauses()
-        else:
-            paused = self._reader.set_paused(len(self.in_flight) >= self.config.max_in_flight)
-        self.metrics.paused.set(paused)
-        assert self._consumer is not None
-        return paused > 0 and paused == len(self._consumer.assignment())
+            self.metrics.paused.set(self._tier_pauses())
+            return
+        full = len(self.in_flight) >= self.config.max_in_flight
+        self.metrics.paused.set(self._reader.set_paused(full))
 
     def _tier_pauses(self) -> int:
         """With --backfill-topic: backfill waits while nearline has lag (with
