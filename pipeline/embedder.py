@@ -257,8 +257,8 @@ class Embedder:
         self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
         # On the CPU the tokenizer takes cores from the model: the fast path
-        # (pipeline.wordpiece) costs a sixth of the Rust tokenizer's CPU time on
-        # English, a third to a quarter on Chinese and mixed text. On
+        # (pipeline.wordpiece) costs a fifth to a third of the Rust tokenizer's CPU
+        # time, on English, Chinese and mixed text alike (tokenize_bench.py). On
         # CUDA the tokenizer threads are the ceiling, and the Rust ones run
         # outside the GIL, side by side.
         self._wordpiece: wordpiece.FastWordPiece | None = None
