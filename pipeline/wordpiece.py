@@ -295,10 +295,9 @@ def _bmp_classes() -> tuple[str, str, str]:
     """Regex class bodies over the Basic Multilingual Plane: what clean_text drops
     ("other" categories but tab, newline and carriage return; U+FFFD), punctuation,
     nonspacing marks."""
-    category = {chr(code): unicodedata.category(chr(code)) for code in range(0x80, 0x10000)}
-    dropped = [c for c, k in category.items() if k[0] == "C"]
-    dropped += [chr(code) for code in range(0x80) if unicodedata.category(chr(code)) == "Cc"]
-    dropped = [c for c in dropped if c not in "\t\n\r"] + ["\ufffd"]
+    category = {chr(code): unicodedata.category(chr(code)) for code in range(0x10000)}
+    dropped = [c for c, k in category.items() if k[0] == "C" and c not in "\t\n\r"]
+    dropped.append("\ufffd")
     punctuation = [c for c, k in category.items() if k[0] == "P"]
     marks = [c for c, k in category.items() if k == "Mn"]
     return _chars_class(dropped), _chars_class(punctuation), _chars_class(marks)
