@@ -27,13 +27,16 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.corpus import sample_texts  # noqa: E402
-from pipeline.embedder import Embedder  # noqa: E402
+
+if TYPE_CHECKING:
+    from pipeline.embedder import Embedder
+
 
 FOUND_CJK = [
     *sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "test/cjkencodings/*-utf8.txt"))),
@@ -81,6 +84,9 @@ def main() -> int:
     parser.add_argument("--file", action="append", default=[])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    # Imported here: scripts/overhead.py takes only the corpora, without torch.
+    from pipeline.embedder import Embedder
+
     embedder = Embedder.load(args.model, device="cpu")
     fast = embedder._wordpiece
     if fast is None:
