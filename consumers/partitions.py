@@ -35,16 +35,18 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 
 from pipeline import cluster
 from pipeline.config import KafkaSettings
+from pipeline.records import Source
 from sinks.layout import TopicPartitionKey, segments_by_partition
 from sinks.segments import START_FROM_COMMITTED, DamagedSegment, covered_through, quarantine
 
 log = logging.getLogger(__name__)
+S = TypeVar("S", bound=Source)
 
 
 class Change(enum.Enum):
@@ -366,6 +368,18 @@ class Reader:
             return False
         state.next_offset = offset + 1
         return True
+
+    def accept_run(self, key: TopicPartitionKey, records: list[S]) -> list[S]:
+        """The new records of one partition's polled run (records with `.offset`, in
+        offset order, as a fetch returns them): `accept` of each, for the run at once
+        where its first record is new (then all are)."""
+        state = self.states.get(key)
+        if state is None or not records:
+            return []
+        if records[0].offset >= state.next_offset:
+            state.next_offset = records[-1].offset + 1
+            return records
+        return [r for r in records if self.accept(key, r.offset)]
 
     def skipped_to(self, key: TopicPartitionKey) -> int | None:
         """A new next offset when the consumer moved past offsets that hold no record

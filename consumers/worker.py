@@ -50,7 +50,7 @@ from pipeline.host import freeze_start_up_objects, process_age_s
 from pipeline.identity import check_output_model
 from pipeline.metrics import WorkerMetrics
 from pipeline.progress import Progress
-from pipeline.records import GoodRecord, RecordParser, SourceRecord
+from pipeline.records import GoodRecord, RecordParser, Source
 from sinks import index_shards
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
@@ -459,13 +459,9 @@ class Worker:
 
     def _ingest(self, polled: dict[Any, list[Any]]) -> None:
         assert self._reader is not None
-        accept = self._reader.accept
-        sources = [
-            SourceRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value)
-            for records in polled.values()
-            for r in records
-            if accept((r.topic, r.partition), r.offset)
-        ]
+        sources: list[Source] = []
+        for tp, records in polled.items():
+            sources += self._reader.accept_run((tp.topic, tp.partition), records)
         if not sources:
             return
         if self._tiers is not None:

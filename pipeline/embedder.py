@@ -32,6 +32,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -416,22 +417,24 @@ class Embedder:
     def _encode_fast_first(
         self, texts: list[str], fast: wordpiece.FastWordPiece
     ) -> tuple[list[list[int]], int]:
-        ids: list[list[int]] = []
-        truncated = 0
+        ids: list[list[int]] = [[]] * len(texts)
+        ascii_texts: list[int] = []
         others: list[int] = []
+        truncated = 0
         for i, text in enumerate(texts):
-            if fast.handles(text):
-                one, cut = fast.encode(text)
-                ids.append(one)
-                truncated += cut
-            else:
-                ids.append([])
+            if not fast.handles(text):
                 others.append(i)
-        if others:
-            other_ids, other_truncated = self._encode_rust([texts[i] for i in others])
-            for i, one in zip(others, other_ids, strict=True):
-                ids[i] = one
-            truncated += other_truncated
+            elif text.isascii():
+                ascii_texts.append(i)
+            else:
+                ids[i], cut = fast.encode(text)
+                truncated += cut
+        for indices, encode in ((ascii_texts, fast.encode_ascii), (others, self._encode_rust)):
+            if indices:
+                some_ids, some_truncated = encode([texts[i] for i in indices])
+                for i, one in zip(indices, some_ids, strict=True):
+                    ids[i] = one
+                truncated += some_truncated
         return ids, truncated
 
     def _tokenizer_pool(self) -> ThreadPoolExecutor:
@@ -481,12 +484,13 @@ class Embedder:
     def _forward(self, rows: list[list[int]], width: int) -> np.ndarray:
         import torch
 
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        # Filled all at once (row-major order is the rows' order): a row at a time
+        # cost a few µs of the GIL per text.
+        real = np.arange(width) < lengths[:, None]
         ids = np.full((len(rows), width), self._pad_id, dtype=np.int64)
-        mask = np.zeros((len(rows), width), dtype=np.int64)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
-            mask[i, : len(r)] = 1
-        input_ids, attention = torch.from_numpy(ids), torch.from_numpy(mask)
+        ids[real] = np.fromiter(chain.from_iterable(rows), np.int64, int(lengths.sum()))
+        input_ids, attention = torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64))
         if self.info.device == "cuda":
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
             attention = attention.pin_memory().to("cuda", non_blocking=True)
@@ -494,7 +498,7 @@ class Embedder:
             if self._native:
                 # No mask at all where no row is padded (known here, on the host):
                 # attention then skips the masking work.
-                padded = any(len(r) < width for r in rows)
+                padded = bool(lengths.min() < width)
                 hidden = self._model(input_ids, attention if padded else None)
             else:
                 hidden = self._model(input_ids=input_ids, attention_mask=attention)

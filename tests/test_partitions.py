@@ -160,6 +160,19 @@ def test_records_below_the_next_offset_are_refused_and_gaps_are_covered(world) -
     assert not reader.accept((T, 0), 4)
 
 
+def test_a_polled_run_keeps_only_records_at_or_past_the_next_offset(world) -> None:
+    consumer, ownership, reader = world
+    assign(consumer, ownership, 0)
+    reader.apply()  # starts at 0
+    run = [SourceRecord(T, 0, o, 0, None, b"{}") for o in range(0, 4)]
+    assert reader.accept_run((T, 0), run) == run  # all new: the run itself
+    again = [SourceRecord(T, 0, o, 0, None, b"{}") for o in range(2, 7)]
+    assert [r.offset for r in reader.accept_run((T, 0), again)] == [4, 5, 6]
+    assert reader.accept_run((T, 0), again) == []  # fetched twice
+    assert reader.accept_run((T, 9), run) == [] and reader.accept_run((T, 0), []) == []
+    assert not reader.accept((T, 0), 6) and reader.accept((T, 0), 7)
+
+
 def test_a_fence_stops_publishing_and_restarts_where_the_outputs_now_end(
     world, tmp_path: Path
 ) -> None:

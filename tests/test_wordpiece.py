@@ -23,19 +23,26 @@ def rust(embedder: Embedder) -> Tokenizer:
     return embedder._fast
 
 
-def ascii_fuzz(count: int, seed: int = 7) -> list[str]:
-    """Random ASCII: words, digits, every punctuation character, control characters,
-    runs of whitespace, very long words; no "[" (those go to the Rust tokenizer)."""
+# Special tokens, some as the tokenizer matches them (case and all), some not.
+_SPECIALS = ("[CLS]", "[SEP]", "[MASK]", "[UNK]", "[PAD]", "[mask]", "[Cls]", "[ CLS]", "[[SEP]")
+
+
+def ascii_fuzz(count: int, seed: int = 7, controls: bool = True) -> list[str]:
+    """Random ASCII: words, digits, every punctuation character, control characters
+    (unless told not to), runs of whitespace, very long words, special tokens."""
     rng = random.Random(seed)
-    alphabet = string.ascii_letters + string.digits + string.punctuation.replace("[", "")
-    alphabet += " \t\n\r\x00\x01\x07\x0b\x0c\x1f\x7f"
+    alphabet = string.ascii_letters + string.digits + string.punctuation + " \t\n\r"
+    if controls:
+        alphabet += "\x00\x01\x07\x0b\x0c\x1c\x1f\x7f"
     texts = []
     for _ in range(count):
         words = [
-            "".join(rng.choice(alphabet) for _ in range(rng.choice((1, 3, 8, 20, 120))))
+            rng.choice(_SPECIALS)
+            if rng.random() < 0.01
+            else "".join(rng.choice(alphabet) for _ in range(rng.choice((1, 3, 8, 20, 120))))
             for _ in range(rng.randint(0, 40))
         ]
-        texts.append(rng.choice((" ", "  ", "\n")).join(words))
+        texts.append(rng.choice((" ", "  ", "\n", "")).join(words))
     return texts
 
 
@@ -86,7 +93,21 @@ def equal_to_rust(fast: wordpiece.FastWordPiece, tokenizer: Tokenizer, texts: li
         if fast.encode(text) != (want.ids, bool(want.overflowing))
     ]
     assert mismatched == []
+    equal_to_rust_in_batches(fast, tokenizer, [t for t in handled if t.isascii()])
     return len(handled)
+
+
+def equal_to_rust_in_batches(
+    fast: wordpiece.FastWordPiece, tokenizer: Tokenizer, texts: list[str], size: int = 97
+) -> None:
+    """The ASCII batch path (`encode_ascii`) gives the Rust tokenizer's ids and
+    truncation count, batch by batch (texts with control characters among them)."""
+    for start in range(0, len(texts), size):
+        batch = texts[start : start + size]
+        expected = tokenizer.encode_batch(batch, add_special_tokens=True)
+        ids, truncated = fast.encode_ascii(batch)
+        assert ids == [e.ids for e in expected]
+        assert truncated == sum(bool(e.overflowing) for e in expected)
 
 
 def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> None:
@@ -94,8 +115,10 @@ def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> Non
     assert fast is not None
     prose = sample_texts(3000)
     long = [" ".join(prose[i : i + 12]) for i in range(0, 600, 12)]  # past max_length
-    texts = [t for t in prose + long + ascii_fuzz(3000) if fast.handles(t)]
-    assert len(texts) > 5000
+    fuzz = ascii_fuzz(3000) + ascii_fuzz(3000, seed=8, controls=False)
+    texts = [t for t in prose + long + fuzz if fast.handles(t)]
+    assert len(texts) > 7000
+    assert sum("[" in t for t in texts) > 1000  # brackets without a special token stay
     expected = rust(embedder).encode_batch(texts, add_special_tokens=True)
     mismatched = [
         text
@@ -104,6 +127,36 @@ def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> Non
     ]
     assert mismatched == []
     assert sum(bool(e.overflowing) for e in expected) >= len(long)  # truncation was met
+    texts = [t for t in texts if t.isascii()]
+    equal_to_rust_in_batches(fast, rust(embedder), texts)
+    rng = random.Random(3)
+    mixed_sizes = texts[:]
+    rng.shuffle(mixed_sizes)
+    equal_to_rust_in_batches(fast, rust(embedder), mixed_sizes, size=1)
+    equal_to_rust_in_batches(fast, rust(embedder), mixed_sizes, size=4096)
+
+
+def test_special_tokens_go_to_the_rust_tokenizer_other_brackets_do_not(
+    embedder: Embedder,
+) -> None:
+    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    assert fast is not None
+    # all-MiniLM's special tokens are matched in the raw text, case and all.
+    for text in ("a [MASK] b", "x[CLS]", "[SEP]", "[[UNK]]", "pad [PAD]"):
+        assert not fast.handles(text), text
+    for text in ("a[0] = b[i]", "[mask] [Cls]", "[ CLS ]", "[", "list[str] | None"):
+        assert fast.handles(text), text
+    texts = ["a [MASK] b", "a[0] = b[i]", "[mask] x", "x[CLS]y", "[", "]"]
+    assert embedder.tokenize(texts).ids == embedder._encode(texts)[0]
+    # Tokens matched after normalisation ("[mask]" would be one): every "[" goes to Rust.
+    spec = json.loads(rust(embedder).to_str())
+    for token in spec["added_tokens"]:
+        token["normalized"] = True
+    normalized = Tokenizer.from_str(json.dumps(spec))
+    fast = wordpiece.for_tokenizer(normalized, embedder.info.max_length)
+    assert fast is not None
+    assert not fast.handles("a[0] = b[i]") and not fast.handles("[mask]")
+    assert fast.handles("plain text")
 
 
 def test_mixed_language_texts_equal_the_rust_tokenizers(embedder: Embedder) -> None:
@@ -190,11 +243,15 @@ def test_remembered_words_stay_bounded(monkeypatch: pytest.MonkeyPatch, embedder
     monkeypatch.setattr(wordpiece, "MAX_REMEMBERED_WORDS", 50)
     fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
-    texts = ascii_fuzz(300, seed=11)
+    texts = [t for t in ascii_fuzz(300, seed=11) if fast.handles(t)]
     expected = rust(embedder).encode_batch(texts, add_special_tokens=True)
     for text, want in zip(texts, expected, strict=True):
         assert fast.encode(text)[0] == want.ids
         assert len(fast._memo) <= 50
+    # The batch path fills and clears the memo within one batch.
+    texts = [t for t in ascii_fuzz(300, seed=12, controls=False) if fast.handles(t)]
+    assert fast.encode_ascii(texts)[0] == [e.ids for e in rust(embedder).encode_batch(texts)]
+    assert len(fast._memo) <= 50
 
 
 def _with(tokenizer: Tokenizer, **changes: object) -> Tokenizer:
