@@ -50,6 +50,7 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
+from pipeline.embedder import TokenIds
 from pipeline.records import BadRecord, GoodRecord
 
 log = logging.getLogger(__name__)
@@ -341,11 +342,11 @@ class TieredBatcher:
 
     def add(
         self,
-        parsed: Iterable[tuple[GoodRecord | BadRecord, list[int] | None]],
+        parsed: Iterable[tuple[GoodRecord | BadRecord, TokenIds | None]],
         epoch_of: Callable[[TopicPartitionKey], int],
     ) -> list[MicroBatch]:
-        nearline: list[tuple[GoodRecord | BadRecord, list[int] | None]] = []
-        backfill: list[tuple[GoodRecord | BadRecord, list[int] | None]] = []
+        nearline: list[tuple[GoodRecord | BadRecord, TokenIds | None]] = []
+        backfill: list[tuple[GoodRecord | BadRecord, TokenIds | None]] = []
         for pair in parsed:
             source = pair[0].source
             (backfill if source.topic in self.tiers.backfill_topics else nearline).append(pair)

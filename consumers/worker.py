@@ -1,5 +1,9 @@
 """The worker: poll, parse, tokenize and batch on this thread; embed and write on
 two stage threads; commit back on this thread (the consumer is not thread-safe).
+Where a tokenizer process runs (consumers.tokenize_process), a poll's texts are
+tokenized there while this thread polls the next, and its records join the batcher
+right after that next poll returns: before the poll's rebalance, restarts or
+skipped offsets touch the batcher, so everything reaches it in poll order.
 
 Backpressure: at most `max_in_flight` batches are between poll and commit.
 When that many are out, every owned partition is paused and `poll()` keeps
@@ -40,17 +44,18 @@ from consumers.tiers import (
     fetch_lag,
     unpark_resumed,
 )
+from consumers.tokenize_process import TokenizerProcess
 from pipeline import cluster
 from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from pipeline.cache import EmbeddingCache, open_cache
 from pipeline.config import WorkerConfig
-from pipeline.embedder import Embedder
+from pipeline.embedder import TOKENIZER_ENV, Embedder, TokenIds, tokenizer_choice
 from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
-from pipeline.host import freeze_start_up_objects, process_age_s
+from pipeline.host import freeze_start_up_objects, process_age_s, usable_cpus
 from pipeline.identity import check_output_model
 from pipeline.metrics import WorkerMetrics
 from pipeline.progress import Progress
-from pipeline.records import GoodRecord, RecordParser, Source
+from pipeline.records import BadRecord, GoodRecord, RecordParser, Source
 from sinks import index_shards
 from sinks.dead_letter import DeadLetterSink
 from sinks.faiss_index import IndexStore
@@ -154,6 +159,10 @@ class Worker:
             self.batcher.hold_nearline = inbox.nearline_waiting
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
+        self._tokenizer: TokenizerProcess | None = None
+        # A poll's records (and their texts, as tokenized) whose ids the tokenizer
+        # process has yet to send; at most one poll's worth.
+        self._pending: tuple[list[GoodRecord | BadRecord], list[str]] | None = None
         self._committer: OffsetCommitter | None = None
         self._stages: list[Stage] = []
         self._end_targets: dict[TopicPartition, int] = {}
@@ -231,7 +240,21 @@ class Worker:
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
         index_shards.preload(self.embedder.info.dim)
         self.parquet.preload()
+        self._start_tokenizer_process()
         freeze_start_up_objects()
+
+    def _start_tokenizer_process(self) -> None:
+        choice = self.config.tokenizer_process
+        if choice == "off" or (choice == "auto" and usable_cpus() < 2):
+            return
+        if tokenizer_choice() == "rust":
+            log.info("tokenizer process: off (%s=rust)", TOKENIZER_ENV)
+            return
+        self._tokenizer = TokenizerProcess.start(
+            self.embedder.tokenizer_json(), self.embedder.info.max_length
+        )
+        if self._tokenizer is not None:
+            log.info("tokenizer process: on (a poll ahead of the poll loop)")
 
     def _preflight(self) -> dict[TopicPartition, int]:
         """Checks the cluster and the output before the group is joined; returns the commits."""
@@ -375,27 +398,24 @@ class Worker:
             self._check_stages()
             self._collect_published()
             self._flow_control()
-            timeout = self._poll_timeout_ms()
+            # With a poll's ids still to come, the next poll only takes what is there.
+            timeout = 0 if self._pending is not None else self._poll_timeout_ms()
             polled = self._apply_rebalance(self._poll(timeout))
             if polled:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = time.monotonic()
                     log.info("first record polled %.1fs after process start", process_age_s())
                 self._ingest(polled)
-            self._cover_skipped_offsets()
-            if self._tiers is not None:
-                self._close_caught_up_tiers(empty_poll=not polled, timeout=timeout)
-            elif self.batcher.is_open and self._caught_up(empty_poll=not polled, timeout=timeout):
-                # The open batch holds all there is to read for now: waiting for
-                # it to fill would only add latency.
-                batch = self.batcher.flush(CloseReason.CAUGHT_UP)
-                assert batch is not None
-                self._hand_off(batch)
+            if self._pending is None:
+                # (With a poll's records still out of the batcher, nothing is caught
+                # up, and no offset past them may be covered as skipped.)
+                self._cover_skipped_offsets()
+                self._close_caught_up(empty_poll=not polled, timeout=timeout)
             due = self.batcher.due()
             if due is not None:
                 self._hand_off(due)
             self._update_lag_metrics()
-            idle = not len(self.in_flight) and not self.batcher.is_open
+            idle = not len(self.in_flight) and not self.batcher.is_open and not self._pending
             check_every = _END_CHECK_IDLE_S if idle else _END_CHECK_INTERVAL_S
             if self.config.until_end and time.monotonic() - last_end_check > check_every:
                 last_end_check = time.monotonic()
@@ -404,22 +424,40 @@ class Worker:
                     return
         log.info("shutdown requested: finishing the batches in flight")
 
+    def _close_caught_up(self, empty_poll: bool, timeout: int) -> None:
+        if self._tiers is not None:
+            self._close_caught_up_tiers(empty_poll, timeout)
+        elif self.batcher.is_open and self._caught_up(empty_poll, timeout):
+            # The open batch holds all there is to read for now: waiting for
+            # it to fill would only add latency.
+            batch = self.batcher.flush(CloseReason.CAUGHT_UP)
+            assert batch is not None
+            self._hand_off(batch)
+
     def _poll(self, timeout_ms: int) -> dict[Any, list[Any]]:
         assert self._consumer is not None
         try:
-            return self._consumer.poll(timeout_ms=timeout_ms, max_records=self._poll_records)
-        except kerrors.NoOffsetForPartitionError:
-            return {}  # assigned during this poll; _apply_rebalance() seeks it next
-        except kerrors.OffsetOutOfRangeError as exc:
-            self._out_of_range(exc.args[0] if exc.args else {})
-            return {}
-        except _UNDECODABLE as exc:
-            raise self._undecodable(exc) from exc
+            polled = self._consumer.poll(timeout_ms=timeout_ms, max_records=self._poll_records)
+            failure = None
         except kerrors.KafkaError as exc:
-            if cluster.is_retriable(exc):
-                log.debug("poll: %s (retrying)", exc)
-                return {}
-            raise PipelineError(f"consuming {', '.join(self.config.topics)} failed: {exc}") from exc
+            polled, failure = {}, exc
+        # The previous poll's records join the batcher before anything this poll
+        # brought (a rebalance, a restart out of range) touches it.
+        self._finish_pending()
+        if failure is None:
+            return polled
+        if isinstance(failure, kerrors.NoOffsetForPartitionError):
+            return {}  # assigned during this poll; _apply_rebalance() seeks it next
+        if isinstance(failure, kerrors.OffsetOutOfRangeError):
+            self._out_of_range(failure.args[0] if failure.args else {})
+            return {}
+        if isinstance(failure, _UNDECODABLE):
+            raise self._undecodable(failure) from failure
+        if cluster.is_retriable(failure):
+            log.debug("poll: %s (retrying)", failure)
+            return {}
+        topics = ", ".join(self.config.topics)
+        raise PipelineError(f"consuming {topics} failed: {failure}") from failure
 
     def _caught_up(
         self, empty_poll: bool, timeout: int, only: set[TopicPartition] | None = None
@@ -469,11 +507,34 @@ class Worker:
             self.metrics.tier_records.labels(BACKFILL).inc(backfill)
             self.metrics.tier_records.labels(NEARLINE).inc(len(sources) - backfill)
         parsed = [self.parser.parse(s) for s in sources]
-        good = [p for p in parsed if isinstance(p, GoodRecord)]
-        tokens = self.embedder.tokenize([g.text for g in good])
-        if tokens.truncated:
-            self.metrics.truncated.inc(tokens.truncated)
-        ids = iter(tokens.ids)
+        texts = [p.text for p in parsed if isinstance(p, GoodRecord)]
+        assert self._pending is None, "the previous poll's records come first"
+        if self._tokenizer is not None and texts:
+            texts = self.embedder.prompted(texts)
+            self._tokenizer.submit(texts)
+            self._pending = (parsed, texts)  # joins the batcher after the next poll
+            return
+        tokens = self.embedder.tokenize(texts)
+        self._add(parsed, tokens.ids, tokens.truncated)
+
+    def _finish_pending(self) -> None:
+        """Adds the records whose ids the tokenizer process was working on."""
+        if self._pending is None:
+            return
+        assert self._tokenizer is not None
+        parsed, texts = self._pending
+        self._pending = None
+        ids, truncated, others = self._tokenizer.result()
+        truncated += self.embedder.encode_others(texts, ids, others)
+        self._add(parsed, ids, truncated)
+
+    def _add(
+        self, parsed: list[GoodRecord | BadRecord], token_ids: list[TokenIds], truncated: int
+    ) -> None:
+        assert self._reader is not None
+        if truncated:
+            self.metrics.truncated.inc(truncated)
+        ids = iter(token_ids)
         pairs = [(p, next(ids) if isinstance(p, GoodRecord) else None) for p in parsed]
         for batch in self.batcher.add(pairs, self._reader.epoch):
             self._hand_off(batch)
@@ -757,6 +818,7 @@ class Worker:
 
     def _drain(self, timeout_s: float) -> None:
         """Hands off the open batch and waits (bounded) for everything to be committed."""
+        self._finish_pending()
         batch = self.batcher.flush(CloseReason.SHUTDOWN)
         while batch is not None:  # with tiers, one open batch per tier
             self._hand_off(batch)
@@ -787,6 +849,8 @@ class Worker:
 
     def _close(self) -> None:
         self._stop_stages.set()
+        if self._tokenizer is not None:
+            self._tokenizer.close()
         for stage in self._stages:
             stage.join(timeout=30)
         # Stopped stages finish nothing more: a revocation must not wait for them.

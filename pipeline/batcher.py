@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.embedder import Tokenized
+from pipeline.embedder import TokenIds, Tokenized
 from pipeline.records import BadRecord, GoodRecord
 
 TopicPartitionKey = tuple[str, int]
@@ -42,7 +42,7 @@ class CloseReason(enum.Enum):
 class MicroBatch:
     good: list[GoodRecord] = field(default_factory=list)
     bad: list[BadRecord] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)
+    token_ids: list[TokenIds] = field(default_factory=list)
     tokens: int = 0
     value_bytes: int = 0  # of the records' values, good and bad
     # (topic, partition) -> [first offset, last offset] covered by this batch
@@ -145,7 +145,7 @@ class Batcher:
 
     def add(
         self,
-        parsed: Iterable[tuple[GoodRecord | BadRecord, list[int] | None]],
+        parsed: Iterable[tuple[GoodRecord | BadRecord, TokenIds | None]],
         epoch_of: Callable[[TopicPartitionKey], int],
     ) -> list[MicroBatch]:
         """Adds records (good ones with their token ids); returns the batches that closed."""

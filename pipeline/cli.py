@@ -28,6 +28,7 @@ from pipeline.config import (
     SASL_MECHANISMS,
     SECURITY_PROTOCOLS,
     SHAPES,
+    TOKENIZER_PROCESS,
     KafkaSettings,
     WorkerConfig,
     load_toml,
@@ -410,6 +411,11 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "--shapes",
     type=click.Choice(SHAPES),
     help="Forward-pass shapes: a bounded set, or each batch's own (to measure the difference).",
+)
+@_run_option(
+    "--tokenizer-process",
+    type=click.Choice(TOKENIZER_PROCESS),
+    help="Tokenize in a child process, a poll ahead of the poll loop [auto: with 2+ CPUs].",
 )
 @env_option(
     "--replicas",

@@ -31,6 +31,7 @@ DEFAULT_MODEL = "default"
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 SHAPES = ("bucketed", "exact")
+TOKENIZER_PROCESS = ("auto", "on", "off")
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 _SECRET_FIELDS = frozenset({"sasl_plain_password", "ssl_password"})
@@ -154,6 +155,9 @@ class WorkerConfig:
     progress: bool = True
     # Forward-pass shapes: "bucketed" (a bounded set, pipeline.shapes) or "exact".
     shapes: str = "bucketed"
+    # Tokenizing in a child process, a poll ahead of the poll loop
+    # (consumers.tokenize_process): "auto" where this process may use 2 CPUs or more.
+    tokenizer_process: str = "auto"
     # Model replicas and threads per replica; None: from the usable CPUs (pipeline.host).
     replicas: int | None = None
     torch_threads: int | None = None
@@ -201,6 +205,7 @@ class WorkerConfig:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("shapes", self.shapes, SHAPES)
+        _check_choice("tokenizer process", self.tokenizer_process, TOKENIZER_PROCESS)
         if self.dlq_topic is not None:
             _check_topic_name(self.dlq_topic)
             if self.dlq_topic in self.topics:

@@ -99,11 +99,15 @@ class ModelInfo:
         }
 
 
+# One text's token ids: a list, or a view of an int32 array (consumers.tokenize_process).
+TokenIds = list[int] | np.ndarray
+
+
 @dataclass(frozen=True)
 class Tokenized:
     """Token ids of a batch, in the batch's order."""
 
-    ids: list[list[int]]
+    ids: list[TokenIds]
     lengths: np.ndarray
     truncated: int
 
@@ -263,7 +267,7 @@ class Embedder:
         # CUDA the tokenizer threads are the ceiling, and the Rust ones run
         # outside the GIL, side by side.
         self._wordpiece: wordpiece.FastWordPiece | None = None
-        if info.device == "cpu" and _tokenizer_choice() == "auto":
+        if info.device == "cpu" and tokenizer_choice() == "auto":
             self._wordpiece = wordpiece.for_tokenizer(self._fast, info.max_length)
         self._pad_id = tokenizer.pad_token_id or 0
         # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
@@ -387,15 +391,22 @@ class Embedder:
         prompt), so the prompt's tokens count against max_length and every budget.
         Through pipeline.wordpiece where it applies (on the caller's thread), the
         texts it does not take through the Rust tokenizer."""
-        prompt = self.info.document_prompt if prompt is None else prompt
-        if prompt:
-            texts = [prompt + text for text in texts]
+        texts = self.prompted(texts, prompt)
         if self._wordpiece is not None:
             ids, truncated = self._encode_fast_first(texts, self._wordpiece)
         else:
             ids, truncated = self._encode_rust(texts)
         lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
         return Tokenized(ids, lengths, truncated)
+
+    def prompted(self, texts: list[str], prompt: str | None = None) -> list[str]:
+        """The texts as tokenized: each after `prompt` (None: the document prompt)."""
+        prompt = self.info.document_prompt if prompt is None else prompt
+        return [prompt + text for text in texts] if prompt else texts
+
+    def tokenizer_json(self) -> str:
+        """The Rust tokenizer, serialised (truncation included): to tokenize elsewhere."""
+        return str(self._fast.to_str())
 
     def _encode_rust(self, texts: list[str]) -> tuple[list[list[int]], int]:
         """Large batches in chunks on several threads (the Rust tokenizer lets go of
@@ -417,25 +428,18 @@ class Embedder:
     def _encode_fast_first(
         self, texts: list[str], fast: wordpiece.FastWordPiece
     ) -> tuple[list[list[int]], int]:
-        ids: list[list[int]] = [[]] * len(texts)
-        ascii_texts: list[int] = []
-        others: list[int] = []
-        truncated = 0
-        for i, text in enumerate(texts):
-            if not fast.handles(text):
-                others.append(i)
-            elif text.isascii():
-                ascii_texts.append(i)
-            else:
-                ids[i], cut = fast.encode(text)
-                truncated += cut
-        for indices, encode in ((ascii_texts, fast.encode_ascii), (others, self._encode_rust)):
-            if indices:
-                some_ids, some_truncated = encode([texts[i] for i in indices])
-                for i, one in zip(indices, some_ids, strict=True):
-                    ids[i] = one
-                truncated += some_truncated
-        return ids, truncated
+        ids, truncated, others = wordpiece.encode_taken(fast, texts)
+        return ids, truncated + self.encode_others(texts, ids, others)
+
+    def encode_others(self, texts: list[str], ids: list[Any], others: list[int]) -> int:
+        """Fills in `ids` the texts at `others` (those the fast path left) with the Rust
+        tokenizer; returns how many of them were truncated."""
+        if not others:
+            return 0
+        other_ids, truncated = self._encode_rust([texts[i] for i in others])
+        for i, one in zip(others, other_ids, strict=True):
+            ids[i] = one
+        return truncated
 
     def _tokenizer_pool(self) -> ThreadPoolExecutor:
         if self._tokenizers is None:
@@ -481,7 +485,7 @@ class Embedder:
         stats.seconds = time.perf_counter() - started
         return out, stats
 
-    def _forward(self, rows: list[list[int]], width: int) -> np.ndarray:
+    def _forward(self, rows: list[TokenIds], width: int) -> np.ndarray:
         import torch
 
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
@@ -489,7 +493,7 @@ class Embedder:
         # cost a few µs of the GIL per text.
         real = np.arange(width) < lengths[:, None]
         ids = np.full((len(rows), width), self._pad_id, dtype=np.int64)
-        ids[real] = np.fromiter(chain.from_iterable(rows), np.int64, int(lengths.sum()))
+        ids[real] = _concatenated(rows, int(lengths.sum()))
         input_ids, attention = torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64))
         if self.info.device == "cuda":
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
@@ -507,6 +511,14 @@ class Embedder:
             if self.info.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled.cpu().numpy()
+
+
+def _concatenated(rows: list[TokenIds], total: int) -> np.ndarray:
+    """The rows' ids end to end: lists (tokenized here) or arrays (views of what a
+    tokenizer process sent back, consumers.tokenize_process), or both."""
+    if all(type(row) is list for row in rows):
+        return np.fromiter(chain.from_iterable(rows), np.int64, total)
+    return np.concatenate(rows)  # int32 views: widened as they are placed
 
 
 def _encoder_choice(encoder: str | None) -> str:
@@ -563,7 +575,7 @@ def _is_native(model: Any) -> bool:
     return bool(getattr(model, "returns_hidden_state", False))
 
 
-def _tokenizer_choice() -> str:
+def tokenizer_choice() -> str:
     choice = os.environ.get(TOKENIZER_ENV, "auto").strip().lower() or "auto"
     if choice not in TOKENIZERS:
         raise ModelError(f"{TOKENIZER_ENV}={choice!r}: expected one of {', '.join(TOKENIZERS)}")

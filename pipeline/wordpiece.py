@@ -410,6 +410,30 @@ def _escape(char: str) -> str:
     return f"\\U{ord(char):08x}"
 
 
+def encode_taken(fast: FastWordPiece, texts: list[str]) -> tuple[list[list[int]], int, list[int]]:
+    """(ids, truncated, others): the ids of every text `fast` takes, ASCII ones all at
+    once; `others` are the indices of the texts it leaves to the Rust tokenizer (their
+    ids here are empty)."""
+    ids: list[list[int]] = [[]] * len(texts)
+    plain: list[int] = []
+    others: list[int] = []
+    truncated = 0
+    for i, text in enumerate(texts):
+        if not fast.handles(text):
+            others.append(i)
+        elif text.isascii():
+            plain.append(i)
+        else:
+            ids[i], cut = fast.encode(text)
+            truncated += cut
+    if plain:
+        plain_ids, plain_truncated = fast.encode_ascii([texts[i] for i in plain])
+        for i, one in zip(plain, plain_ids, strict=True):
+            ids[i] = one
+        truncated += plain_truncated
+    return ids, truncated, others
+
+
 def for_tokenizer(rust_tokenizer: Any, max_length: int) -> FastWordPiece | None:
     """The fast path for this `tokenizers.Tokenizer` (truncation at `max_length`),
     or None where its pipeline is not BERT's WordPiece or the check finds a difference."""

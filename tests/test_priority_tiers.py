@@ -424,9 +424,10 @@ def test_pauses_hold_through_a_member_joining_and_leaving(
         extra = (*options, "--metrics-port", str(ports[n]), *FAST_GROUP)
         return start_worker(broker, live, group_id, out, *extra, log=logs[n])
 
-    # Long nearline texts: a backlog of them keeps nearline lag up through the rebalances.
-    paragraphs = [r["text"] for r in corpus_records(14_400, seed=3)]
-    long_texts = [" ".join(paragraphs[i : i + 6]) for i in range(0, 14_400, 6)]
+    # Long nearline texts: a backlog of them keeps nearline lag up through the rebalances
+    # (4,000: with 2,400 the backlog ran out about when the second worker left).
+    paragraphs = [r["text"] for r in corpus_records(24_000, seed=3)]
+    long_texts = [" ".join(paragraphs[i : i + 6]) for i in range(0, 24_000, 6)]
     first = worker(0)
     second = None
     try:

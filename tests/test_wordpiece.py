@@ -231,12 +231,12 @@ def test_characters_the_check_disagrees_on_go_to_the_rust_tokenizer(
 
 def test_the_rust_tokenizer_can_be_chosen(monkeypatch: pytest.MonkeyPatch, embedder) -> None:
     monkeypatch.setenv(TOKENIZER_ENV, "rust")
-    from pipeline.embedder import _tokenizer_choice
+    from pipeline.embedder import tokenizer_choice
 
-    assert _tokenizer_choice() == "rust"
+    assert tokenizer_choice() == "rust"
     monkeypatch.setenv(TOKENIZER_ENV, "fastest")
     with pytest.raises(Exception, match="PIPELINE_TOKENIZER"):
-        _tokenizer_choice()
+        tokenizer_choice()
 
 
 def test_remembered_words_stay_bounded(monkeypatch: pytest.MonkeyPatch, embedder: Embedder) -> None:

@@ -1,0 +1,216 @@
+"""Tokenizing in a child process: the same ids as in the worker's own process, and
+a child that dies ends the worker with one line, nothing committed past the outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from consumers.tokenize_process import TokenizerProcess
+from pipeline.embedder import Embedder
+from pipeline.errors import PipelineError
+from pipeline.records import GoodRecord, RecordParser, SourceRecord
+from tests.helpers import (
+    committed_offsets,
+    corpus_records,
+    duplicates,
+    index_rows,
+    output_rows,
+    publish_raw,
+    run_until_end,
+    start_worker,
+)
+from tests.test_wordpiece import _SPECIALS, ascii_fuzz, unicode_fuzz
+
+
+def child_ids(embedder: Embedder, child: TokenizerProcess, texts: list[str]) -> tuple[list, int]:
+    """What the worker does with a poll's texts: the child's ids, the rest in-process."""
+    texts = embedder.prompted(texts)
+    child.submit(texts)
+    ids, truncated, others = child.result()
+    return ids, truncated + embedder.encode_others(texts, ids, others)
+
+
+def test_the_child_gives_the_ids_the_worker_would(embedder: Embedder) -> None:
+    child = TokenizerProcess.start(embedder.tokenizer_json(), embedder.info.max_length)
+    assert child is not None
+    try:
+        prose = [r["text"] for r in corpus_records(2000)]
+        long = [" ".join(prose[i : i + 40]) for i in range(0, 800, 40)]  # truncated
+        batches = [
+            prose,
+            long,
+            ascii_fuzz(500),  # control characters: the child's one-at-a-time path
+            unicode_fuzz(500),  # some left to the Rust tokenizer (others)
+            [f"a {special} b" for special in _SPECIALS],
+            [],
+        ]
+        for texts in batches:
+            ids, truncated = child_ids(embedder, child, texts)
+            want = embedder.tokenize(texts)
+            assert [list(map(int, one)) for one in ids] == want.ids
+            assert truncated == want.truncated
+            assert all(isinstance(one, np.ndarray | list) for one in ids)
+        assert want.truncated == 0 and embedder.tokenize(long).truncated == len(long)
+    finally:
+        child.close()
+    assert child._child.poll() is not None  # closed: the child is gone
+
+
+def test_vectors_from_the_childs_ids_equal_the_in_process_ones(embedder: Embedder) -> None:
+    child = TokenizerProcess.start(embedder.tokenizer_json(), embedder.info.max_length)
+    assert child is not None
+    try:
+        texts = [r["text"] for r in corpus_records(64)] + unicode_fuzz(64, seed=3)
+        ids, _ = child_ids(embedder, child, texts)
+    finally:
+        child.close()
+    from pipeline.embedder import Tokenized
+
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    vectors, _ = embedder.embed_tokens(Tokenized(ids, lengths, 0))
+    np.testing.assert_allclose(vectors, embedder.embed(texts), atol=1e-5)
+
+
+def test_a_tokenizer_without_the_fast_path_is_refused() -> None:
+    other = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    other.normalizer = normalizers.Lowercase()
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert TokenizerProcess.start(other.to_str(), 128) is None
+
+
+def test_a_child_that_dies_is_one_clear_error(embedder: Embedder) -> None:
+    child = TokenizerProcess.start(embedder.tokenizer_json(), embedder.info.max_length)
+    assert child is not None
+    try:
+        os.kill(child._child.pid, signal.SIGKILL)
+        child._child.wait(timeout=10)
+        with pytest.raises(PipelineError, match=r"tokenizer process .*exited with code -9"):
+            child.submit(["a text"])
+            child.result()
+    finally:
+        child.close()
+
+
+# -- in the worker, against the real broker -------------------------------------------
+
+
+def _mixed_items(count: int) -> list[tuple[bytes | None, bytes | None]]:
+    """English, Chinese and mixed texts, special tokens, and bad records among them."""
+    texts = [r["text"] for r in corpus_records(count)]
+    texts[1::5] = unicode_fuzz(len(texts[1::5]), seed=21)
+    texts[2::17] = [f"see [MASK] {t}" for t in texts[2::17]]
+    items: list[tuple[bytes | None, bytes | None]] = []
+    for i, text in enumerate(texts):
+        value = json.dumps({"id": f"r{i}", "text": text}, ensure_ascii=False).encode()
+        items.append((None, b"not json" if i % 97 == 5 else value))
+    return items
+
+
+def _good(items: list[tuple[bytes | None, bytes | None]], partitions: int) -> list[int]:
+    """The indices of the items the parser takes (the others are dead-lettered)."""
+    parser = RecordParser()
+    return [
+        i
+        for i, (key, value) in enumerate(items)
+        if isinstance(
+            parser.parse(SourceRecord("t", i % partitions, i // partitions, 0, key, value)),
+            GoodRecord,
+        )
+    ]
+
+
+def _vectors(output: Path) -> dict[tuple[int, int], np.ndarray]:
+    found = {}
+    for path in (output / "vectors").glob("*.parquet"):
+        table = pq.read_table(path, columns=["partition", "offset", "embedding"])
+        for row in table.to_pylist():
+            found[(row["partition"], row["offset"])] = np.asarray(row["embedding"])
+    return found
+
+
+@pytest.mark.integration
+def test_the_worker_writes_the_same_vectors_with_and_without_the_child(
+    broker, make_topic, group_id, tmp_path
+):
+    topic = make_topic(partitions=2)
+    items = _mixed_items(600)
+    publish_raw(broker, topic, items, partitions=2)
+    outputs = {}
+    for choice in ("on", "off"):
+        out = tmp_path / choice
+        result = run_until_end(
+            broker, topic, f"{group_id}-{choice}", out,
+            "--batch-size", "50", "--tokenizer-process", choice,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        said = "tokenizer process: on" in result.stderr
+        assert said == (choice == "on"), result.stderr
+        assert committed_offsets(broker, f"{group_id}-{choice}", topic) == {0: 300, 1: 300}
+        outputs[choice] = _vectors(out)
+    assert len(outputs["on"]) == len(_good(items, 2))  # the bad ones dead-lettered
+    assert outputs["on"].keys() == outputs["off"].keys()
+    for position, vector in outputs["on"].items():
+        np.testing.assert_allclose(vector, outputs["off"][position], atol=1e-5)
+
+
+def _child_of(pid: int, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = subprocess.run(
+            ["pgrep", "-P", str(pid), "-f", "consumers.tokenize_process"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+        if found:
+            return int(found[0])
+        time.sleep(0.2)
+    raise AssertionError("the worker started no tokenizer process")
+
+
+@pytest.mark.integration
+def test_a_killed_tokenizer_process_stops_the_worker_and_a_restart_loses_nothing(
+    broker, make_topic, group_id, tmp_path
+):
+    topic = make_topic(partitions=3)
+    items = _mixed_items(3000)
+    publish_raw(broker, topic, items, partitions=3)
+    out, log = tmp_path / "out", tmp_path / "worker.log"
+    worker = start_worker(
+        broker, topic, group_id, out,
+        "--batch-size", "20", "--tokenizer-process", "on", "--index-sync-interval-s", "1",
+        log=log,
+    )  # fmt: skip
+    try:
+        child = _child_of(worker.pid)
+        deadline = time.monotonic() + 120
+        while not output_rows(out) and time.monotonic() < deadline:
+            time.sleep(0.2)  # mid-run: some batches written, most to come
+        os.kill(child, signal.SIGKILL)
+        code = worker.wait(timeout=120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    said = log.read_text()
+    assert code != 0, said
+    assert "tokenizer process exited with code -9" in said
+    assert "Traceback" not in said
+    written = len(output_rows(out))
+    assert 0 < written < 3000 - 31
+
+    result = run_until_end(broker, topic, group_id, out, "--batch-size", "200")
+
+    assert result.returncode == 0, result.stderr
+    rows = output_rows(out)
+    assert duplicates(rows) == []
+    expected = {(topic, i % 3, i // 3) for i in _good(items, 3)}
+    assert set(rows) == expected
+    assert sorted(index_rows(out)) == sorted(rows)
