@@ -62,22 +62,30 @@ class TokenizerProcess:
         child_end.close()
         self._conn = Connection(parent_end.detach())
         self._waiting = False
+        self._ready: bool | None = None  # known once the child's first answer is read
         self._conn.send_bytes(tokenizer_json.encode())
 
     @classmethod
     def start(cls, tokenizer_json: str, max_length: int) -> TokenizerProcess | None:
         """A ready child; None where the fast path does not apply to this tokenizer."""
         process = cls(tokenizer_json, max_length)
-        try:
-            kind, detail = process._answer(START_TIMEOUT_S)
-        except PipelineError:
-            process.close()
-            raise
-        if kind == "refused":
-            process.close()
-            log.info("tokenizer process: not used (%s)", detail)
-            return None
-        return process
+        return process if process.ready() else None
+
+    def ready(self) -> bool:
+        """Waits (bounded) for the child to have built its fast path: False, and the
+        child ended, where it does not apply to this tokenizer. The worker asks at its
+        first large poll, so that the child starts while the group is joined."""
+        if self._ready is None:
+            try:
+                kind, detail = self._answer(START_TIMEOUT_S)
+            except PipelineError:
+                self.close()
+                raise
+            self._ready = kind == "ready"
+            if not self._ready:
+                self.close()
+                log.info("tokenizer process: not used (%s)", detail)
+        return self._ready
 
     @property
     def waiting(self) -> bool:
@@ -85,7 +93,7 @@ class TokenizerProcess:
         return self._waiting
 
     def submit(self, texts: list[str]) -> None:
-        assert not self._waiting, "one request at a time"
+        assert self._ready and not self._waiting, "one request at a time, once ready"
         try:
             self._conn.send_bytes(pickle.dumps(texts, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError as exc:

@@ -71,6 +71,9 @@ _END_CHECK_INTERVAL_S = 1.0
 _END_CHECK_IDLE_S = 0.2  # nothing in flight: the end may just have been reached
 _LAG_METRIC_INTERVAL_S = 2.0
 _COMMIT_RETRY_S = 1.0
+# Polls of fewer texts (unless full) are tokenized here: a trickle gains nothing from
+# the overlap, and its records reach a batch without waiting for another poll.
+TOKENIZER_PROCESS_MIN_TEXTS = 256
 # Decoding problems no retry mends: name the partition and offset, and stop.
 _UNDECODABLE = (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError)
 
@@ -160,6 +163,7 @@ class Worker:
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
         self._tokenizer: TokenizerProcess | None = None
+        self._tokenizer_said = False
         # A poll's records (and their texts, as tokenized) whose ids the tokenizer
         # process has yet to send; at most one poll's worth.
         self._pending: tuple[list[GoodRecord | BadRecord], list[str]] | None = None
@@ -250,11 +254,25 @@ class Worker:
         if tokenizer_choice() == "rust":
             log.info("tokenizer process: off (%s=rust)", TOKENIZER_ENV)
             return
-        self._tokenizer = TokenizerProcess.start(
+        # Not waited for here: it gets ready while the group is joined.
+        self._tokenizer = TokenizerProcess(
             self.embedder.tokenizer_json(), self.embedder.info.max_length
         )
-        if self._tokenizer is not None:
-            log.info("tokenizer process: on (a poll ahead of the poll loop)")
+
+    def _tokenizer_takes(self, texts: list[str]) -> bool:
+        """Whether the tokenizer process takes this poll's texts: a full poll, or 256
+        texts or more, once it is ready."""
+        if self._tokenizer is None:
+            return False
+        if len(texts) < min(TOKENIZER_PROCESS_MIN_TEXTS, self.config.batch_size):
+            return False
+        if self._tokenizer.ready():
+            if not self._tokenizer_said:
+                self._tokenizer_said = True
+                log.info("tokenizer process: on (a poll ahead of the poll loop)")
+            return True
+        self._tokenizer = None  # refused: the fast path does not apply
+        return False
 
     def _preflight(self) -> dict[TopicPartition, int]:
         """Checks the cluster and the output before the group is joined; returns the commits."""
@@ -471,8 +489,10 @@ class Worker:
         assert self._consumer is not None
         if self._consumer.paused() if only is None else self._consumer.paused() & only:
             return False  # with `only` (one tier's partitions), those alone count
-        if empty_poll:
-            return timeout >= _POLL_TICK_MS
+        if empty_poll and timeout >= _POLL_TICK_MS:
+            return True
+        # A shorter empty poll (one taken while a tokenized poll was due) proves
+        # nothing by itself: the positions say it.
         assignment = self._consumer.assignment() if only is None else only
         if not assignment:
             return False
@@ -509,7 +529,8 @@ class Worker:
         parsed = [self.parser.parse(s) for s in sources]
         texts = [p.text for p in parsed if isinstance(p, GoodRecord)]
         assert self._pending is None, "the previous poll's records come first"
-        if self._tokenizer is not None and texts:
+        if self._tokenizer_takes(texts):
+            assert self._tokenizer is not None
             texts = self.embedder.prompted(texts)
             self._tokenizer.submit(texts)
             self._pending = (parsed, texts)  # joins the batcher after the next poll
