@@ -15,9 +15,10 @@ does not apply the child says so and the worker tokenizes everything itself.
 
 When a poll's records join the batcher is the poll loop's business
 (consumers.worker): in poll order, before anything else touches the batcher.
-The child dies with the worker (PR_SET_PDEATHSIG on Linux); a child that dies or
-stops answering ends the worker with one line, nothing committed past what was
-written.
+The child dies with the worker (PR_SET_PDEATHSIG on Linux) and leaves signals sent
+to the whole process group to the worker, which drains with its help; a child that
+dies or stops answering ends the worker with one line, nothing committed past what
+was written.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -156,13 +158,17 @@ def main() -> None:
     from pipeline.host import die_with_parent
 
     fd, max_length, parent = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    die_with_parent()
+    # Signals to the whole group (Ctrl-C, a service manager stopping the unit) are the
+    # worker's to act on: it drains, with this child's help, then closes it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         return  # the worker died before the death signal was armed
     conn = Connection(fd)
     try:
         _serve(conn, max_length)
-    except (EOFError, OSError, KeyboardInterrupt):
+    except (EOFError, OSError):
         return  # the worker closed its end, or is gone
     except Exception as exc:  # one line for the worker to report, never a traceback
         with contextlib.suppress(OSError):

@@ -20,6 +20,7 @@ from pipeline.embedder import Embedder
 from pipeline.errors import PipelineError
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
 from tests.helpers import (
+    REPO,
     committed_offsets,
     corpus_records,
     duplicates,
@@ -28,6 +29,8 @@ from tests.helpers import (
     publish_raw,
     run_until_end,
     start_worker,
+    worker_args,
+    worker_env,
 )
 from tests.test_wordpiece import _SPECIALS, ascii_fuzz, unicode_fuzz
 
@@ -101,6 +104,21 @@ def test_a_child_that_dies_is_one_clear_error(embedder: Embedder) -> None:
         child.close()
 
 
+def test_the_child_leaves_interrupts_to_the_worker(embedder: Embedder) -> None:
+    """Ctrl-C or a unit's stop reaches every process of the group: the worker drains,
+    and needs the child for the poll it has out."""
+    child = TokenizerProcess.start(embedder.tokenizer_json(), embedder.info.max_length)
+    assert child is not None
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.kill(child._child.pid, signum)
+        time.sleep(0.5)
+        ids, _ = child_ids(embedder, child, ["still here"])
+        assert [list(map(int, one)) for one in ids] == embedder.tokenize(["still here"]).ids
+    finally:
+        child.close()
+
+
 # -- in the worker, against the real broker -------------------------------------------
 
 
@@ -114,6 +132,14 @@ def _mixed_items(count: int) -> list[tuple[bytes | None, bytes | None]]:
         value = json.dumps({"id": f"r{i}", "text": text}, ensure_ascii=False).encode()
         items.append((None, b"not json" if i % 97 == 5 else value))
     return items
+
+
+def _published(
+    broker: str, topic: str, count: int, partitions: int
+) -> tuple[str, list[tuple[bytes | None, bytes | None]]]:
+    items = _mixed_items(count)
+    publish_raw(broker, topic, items, partitions=partitions)
+    return topic, items
 
 
 def _good(items: list[tuple[bytes | None, bytes | None]], partitions: int) -> list[int]:
@@ -142,9 +168,7 @@ def _vectors(output: Path) -> dict[tuple[int, int], np.ndarray]:
 def test_the_worker_writes_the_same_vectors_with_and_without_the_child(
     broker, make_topic, group_id, tmp_path
 ):
-    topic = make_topic(partitions=2)
-    items = _mixed_items(600)
-    publish_raw(broker, topic, items, partitions=2)
+    topic, items = _published(broker, make_topic(partitions=2), 600, 2)
     outputs = {}
     for choice in ("on", "off"):
         out = tmp_path / choice
@@ -180,9 +204,7 @@ def _child_of(pid: int, timeout_s: float = 60) -> int:
 def test_a_killed_tokenizer_process_stops_the_worker_and_a_restart_loses_nothing(
     broker, make_topic, group_id, tmp_path
 ):
-    topic = make_topic(partitions=3)
-    items = _mixed_items(3000)
-    publish_raw(broker, topic, items, partitions=3)
+    topic, items = _published(broker, make_topic(partitions=3), 3000, 3)
     out, log = tmp_path / "out", tmp_path / "worker.log"
     worker = start_worker(
         broker, topic, group_id, out,
@@ -214,3 +236,38 @@ def test_a_killed_tokenizer_process_stops_the_worker_and_a_restart_loses_nothing
     expected = {(topic, i % 3, i // 3) for i in _good(items, 3)}
     assert set(rows) == expected
     assert sorted(index_rows(out)) == sorted(rows)
+
+
+@pytest.mark.integration
+def test_a_signal_to_the_whole_process_group_drains_the_worker(
+    broker, make_topic, group_id, tmp_path
+):
+    """Ctrl-C, or a service manager stopping the unit, signals the child too: the
+    worker still drains and exits 0 (the child leaves such signals to it)."""
+    topic, items = _published(broker, make_topic(partitions=2), 3000, 2)
+    out = tmp_path / "out"
+    args = worker_args(topic, group_id, out, "--batch-size", "20", "--tokenizer-process", "on")
+    worker = subprocess.Popen(
+        args, env=worker_env(broker), cwd=REPO, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _child_of(worker.pid)
+        deadline = time.monotonic() + 120
+        while not output_rows(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(worker.pid, signal.SIGINT)
+        said, _ = worker.communicate(timeout=120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert worker.returncode == 0, said
+    assert "tokenizer process exited" not in said and "Traceback" not in said
+    assert "finishing the batches in flight" in said
+
+    result = run_until_end(broker, topic, group_id, out, "--batch-size", "200")
+
+    assert result.returncode == 0, result.stderr
+    rows = output_rows(out)
+    assert duplicates(rows) == []
+    assert set(rows) == {(topic, i % 2, i // 2) for i in _good(items, 2)}
