@@ -84,15 +84,12 @@ class TokenizerProcess:
                 self.close()
                 raise
             self._ready = kind == "ready"
-            if not self._ready:
+            if self._ready:
+                log.info("tokenizer process: on (a poll ahead of the poll loop)")
+            else:
                 self.close()
                 log.info("tokenizer process: not used (%s)", detail)
         return self._ready
-
-    @property
-    def waiting(self) -> bool:
-        """Whether a request was sent and its answer not yet taken."""
-        return self._waiting
 
     def submit(self, texts: list[str]) -> None:
         assert self._ready and not self._waiting, "one request at a time, once ready"

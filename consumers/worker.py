@@ -163,7 +163,6 @@ class Worker:
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
         self._tokenizer: TokenizerProcess | None = None
-        self._tokenizer_said = False
         # A poll's records (and their texts, as tokenized) whose ids the tokenizer
         # process has yet to send; at most one poll's worth.
         self._pending: tuple[list[GoodRecord | BadRecord], list[str]] | None = None
@@ -267,9 +266,6 @@ class Worker:
         if len(texts) < min(TOKENIZER_PROCESS_MIN_TEXTS, self.config.batch_size):
             return False
         if self._tokenizer.ready():
-            if not self._tokenizer_said:
-                self._tokenizer_said = True
-                log.info("tokenizer process: on (a poll ahead of the poll loop)")
             return True
         self._tokenizer = None  # refused: the fast path does not apply
         return False

@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 # What BertNormalizer's clean_text removes from ASCII (tab, newline and carriage
 # return are whitespace and stay, as separators).
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-_CONTROL_BUT_NUL = re.compile(r"[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # BERT's punctuation in ASCII: every printable character that is not a letter or digit.
 _PUNCTUATION = r"[!-/:-@\[-`{-~]"
 _UNCASED_WORDS = re.compile(rf"[a-z0-9]+|{_PUNCTUATION}")
