@@ -30,7 +30,7 @@ import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 
-from consumers import repair
+from consumers import record_batches, repair
 from consumers.committer import OffsetCommitter, PublishedBatch
 from consumers.partitions import Applied, Listener, Ownership, Reader
 from consumers.stages import CompactStage, EmbedStage, Stage, WriteStage
@@ -352,6 +352,7 @@ class Worker:
             max_partition_fetch_bytes=2 * 1024 * 1024,
             **cluster.client_kwargs(cfg.kafka),
         )
+        record_batches.install(consumer)
         consumer.subscribe(
             list(cfg.topics), listener=Listener(self.ownership, self._revoke_timeout_s)
         )
