@@ -171,6 +171,10 @@ def test_unicode_text_roundtrips() -> None:
         b'{"text": "hi", "text": "again"}',
         b'{"text": "a\\u00e9\\ud83d\\ude00", "n": 1e400}',
         b'  {"text": "hi"}\n',
+        b'{"text": "hi", "m": {"deep": [18446744073709551616, 0.5]}}',
+        b'{"text": "hi", "id": 123456789012345678901234567890, "ok": true, "none": null}',
+        b'{"text": "hi", "f": 1.5, "g": -12345678901234567890}',
+        b'{"text": "hi", "f": 1.5, "edge": 18446744073709551615, "low": -9223372036854775808}',
     ],
 )
 def test_the_fast_parser_accepts_and_rejects_what_json_does(value: bytes) -> None:
@@ -187,7 +191,24 @@ def test_the_fast_parser_accepts_and_rejects_what_json_does(value: bytes) -> Non
         assert isinstance(expected, dict)
         assert result.text == expected["text"]
         rest = {k: v for k, v in expected.items() if k != "text"}
+        rest = {k: v for k, v in expected.items() if k not in ("text", "id")}
         # Integers past 64 bits kept exact (orjson would have made them floats).
         assert result.metadata == (json.dumps(rest, ensure_ascii=False) if rest else None)
-        rest = {k: v for k, v in expected.items() if k != "text"}
-        assert result.metadata == (json.dumps(rest, ensure_ascii=False) if rest else None)
+        expected_id = expected.get("id")
+        assert result.record_id == (None if expected_id is None else json.dumps(expected_id))
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [
+        (b"18446744073709551616", "int"),  # orjson reads a float
+        (b"[18446744073709551616]", "list"),
+        (b'["\\ud800"]', "list"),  # a lone surrogate, but not an object first
+        (b'"text"', "str"),
+        (b"NaN", "float"),
+    ],
+)
+def test_values_that_are_not_objects_are_named_as_json_reads_them(value: bytes, kind: str) -> None:
+    result = parse(value)
+    assert isinstance(result, BadRecord) and result.error_class == "NotAnObject"
+    assert result.message == f"value is a JSON {kind}"
