@@ -148,37 +148,86 @@ class Batcher:
         parsed: Iterable[tuple[GoodRecord | BadRecord, TokenIds | None]],
         epoch_of: Callable[[TopicPartitionKey], int],
     ) -> list[MicroBatch]:
-        """Adds records (good ones with their token ids); returns the batches that closed."""
+        """Adds records (good ones with their token ids); returns the batches that closed.
+
+        A record joins the open batch unless its tokens or bytes would take a batch
+        that holds records past its bound (then the batch closes first); a batch
+        closes once it reaches a bound. Offsets are covered a run of one partition
+        at a time, which is what a poll hands over."""
+        pairs = parsed if isinstance(parsed, list) else list(parsed)
         closed: list[MicroBatch] = []
-        for record, ids in parsed:
-            n_tokens = len(ids) if ids is not None else 0
-            size = _size(record)
-            batch = self._open
-            if batch is not None and len(batch):
-                if batch.good and batch.tokens + n_tokens > self.max_tokens:
-                    closed.append(self._close(CloseReason.TOKENS))
-                elif self.max_bytes is not None and batch.value_bytes + size > self.max_bytes:
-                    closed.append(self._close(CloseReason.BYTES))
-            batch = self._ensure_open()
-            batch.value_bytes += size
-            key = _key(record)
-            offset = record.source.offset
-            batch.cover(key, self._next.get(key, offset), offset, epoch_of(key))
-            self._next[key] = offset + 1
-            if isinstance(record, GoodRecord):
-                assert ids is not None
-                batch.good.append(record)
-                batch.token_ids.append(ids)
-                batch.tokens += n_tokens
-            else:
-                batch.bad.append(record)
-            if len(batch) >= self.max_records:
-                closed.append(self._close(CloseReason.RECORDS))
-            elif batch.tokens >= self.max_tokens:
-                closed.append(self._close(CloseReason.TOKENS))
-            elif self.max_bytes is not None and batch.value_bytes >= self.max_bytes:
-                closed.append(self._close(CloseReason.BYTES))
+        start = 0
+        while start < len(pairs):
+            start, reason = self._fill(pairs, start, epoch_of)
+            if reason is not None:
+                closed.append(self._close(reason))
         return closed
+
+    def _fill(
+        self,
+        pairs: list[tuple[GoodRecord | BadRecord, TokenIds | None]],
+        start: int,
+        epoch_of: Callable[[TopicPartitionKey], int],
+    ) -> tuple[int, CloseReason | None]:
+        """Adds records from `start` to the open batch (opened if need be) until one
+        does not fit or the batch is full; returns where it stopped and why the
+        batch must close (None: every record was added and the batch stays open)."""
+        batch = self._ensure_open()
+        max_records, max_tokens = self.max_records, self.max_tokens
+        max_bytes = self.max_bytes if self.max_bytes is not None else float("inf")
+        count, tokens, value_bytes = len(batch), batch.tokens, batch.value_bytes
+        good, bad, token_ids = batch.good, batch.bad, batch.token_ids
+        run: list = [None, -1, 0, 0]  # topic, partition, first and last offset of a run
+        reason: CloseReason | None = None
+        index = start
+        while index < len(pairs):
+            record, ids = pairs[index]
+            n_tokens = len(ids) if ids is not None else 0
+            source = record.source
+            size = len(source.value or b"")
+            if count:
+                if good and tokens + n_tokens > max_tokens:
+                    reason = CloseReason.TOKENS
+                    break
+                if value_bytes + size > max_bytes:
+                    reason = CloseReason.BYTES
+                    break
+            if ids is not None:
+                good.append(record)  # type: ignore[arg-type]
+                token_ids.append(ids)
+                tokens += n_tokens
+            else:
+                bad.append(record)  # type: ignore[arg-type]
+            count += 1
+            value_bytes += size
+            index += 1
+            offset = source.offset
+            if source.partition != run[1] or source.topic != run[0]:
+                self._cover_run(batch, run, epoch_of)
+                run = [source.topic, source.partition, offset, offset]
+            else:
+                run[3] = offset
+            if count >= max_records:
+                reason = CloseReason.RECORDS
+            elif tokens >= max_tokens:
+                reason = CloseReason.TOKENS
+            elif value_bytes >= max_bytes:
+                reason = CloseReason.BYTES
+            if reason is not None:
+                break
+        self._cover_run(batch, run, epoch_of)
+        batch.tokens, batch.value_bytes = tokens, value_bytes
+        return index, reason
+
+    def _cover_run(
+        self, batch: MicroBatch, run: list, epoch_of: Callable[[TopicPartitionKey], int]
+    ) -> None:
+        """Covers a run of one partition's records, from where its range stands."""
+        if run[0] is None:
+            return
+        key = (run[0], run[1])
+        batch.cover(key, self._next.get(key, run[2]), run[3], epoch_of(key))
+        self._next[key] = run[3] + 1
 
     def due(self) -> MicroBatch | None:
         """The open batch, closed, if its first record has waited long enough."""

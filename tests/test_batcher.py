@@ -355,3 +355,98 @@ def test_drop_forgets_where_the_partition_was_and_start_sets_it_again() -> None:
     add_all(batcher, [good(42, 1)])
     batch = batcher.flush(CloseReason.SHUTDOWN)
     assert batch is not None and batch.ranges == {("t", 0): [40, 42]}
+
+
+# ------------------------------------------------------------------ against a model
+
+
+class OneAtATime:
+    """The closing rules and ranges, one record at a time: the model the batcher's
+    run-at-a-time loop must agree with."""
+
+    def __init__(self, max_records: int, max_tokens: int, max_bytes: int | None) -> None:
+        self.max_records, self.max_tokens, self.max_bytes = max_records, max_tokens, max_bytes
+        self.open: dict | None = None
+        self.next: dict[tuple[str, int], int] = {}
+
+    def add(self, items: list[Item], epoch_of) -> list[dict]:
+        closed = []
+        for record, ids in items:
+            n_tokens, size = len(ids or []), len(record.source.value or b"")
+            batch = self.open
+            if batch is not None and batch["count"]:
+                if batch["good"] and batch["tokens"] + n_tokens > self.max_tokens:
+                    closed.append(self.close(CloseReason.TOKENS))
+                elif self.max_bytes is not None and batch["bytes"] + size > self.max_bytes:
+                    closed.append(self.close(CloseReason.BYTES))
+            if self.open is None:
+                self.open = {"good": [], "bad": [], "count": 0, "tokens": 0, "bytes": 0}
+                self.open.update(ranges={}, epochs={})
+            batch = self.open
+            key = (record.source.topic, record.source.partition)
+            offset = record.source.offset
+            if key not in batch["ranges"]:
+                batch["ranges"][key] = [self.next.get(key, offset), offset]
+                batch["epochs"][key] = epoch_of(key)
+            batch["ranges"][key][1] = max(batch["ranges"][key][1], offset)
+            self.next[key] = offset + 1
+            batch["good" if ids is not None else "bad"].append((key, offset, ids))
+            batch["count"] += 1
+            batch["tokens"] += n_tokens
+            batch["bytes"] += size
+            if batch["count"] >= self.max_records:
+                closed.append(self.close(CloseReason.RECORDS))
+            elif batch["tokens"] >= self.max_tokens:
+                closed.append(self.close(CloseReason.TOKENS))
+            elif self.max_bytes is not None and batch["bytes"] >= self.max_bytes:
+                closed.append(self.close(CloseReason.BYTES))
+        return closed
+
+    def close(self, reason: CloseReason) -> dict:
+        batch, self.open = self.open, None
+        assert batch is not None
+        return {**batch, "closed_by": reason}
+
+
+def seen(batch: MicroBatch | None, reason: CloseReason | None = None) -> dict | None:
+    if batch is None:
+        return None
+    entries = [
+        ((r.source.topic, r.source.partition), r.source.offset, ids)
+        for r, ids in zip(batch.good, batch.token_ids, strict=True)
+    ]
+    return {
+        "good": entries,
+        "bad": [((b.source.topic, b.source.partition), b.source.offset, None) for b in batch.bad],
+        "count": len(batch),
+        "tokens": batch.tokens,
+        "bytes": batch.value_bytes,
+        "ranges": batch.ranges,
+        "epochs": batch.epochs,
+        **({"closed_by": reason} if reason else {}),
+    }
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batches_are_those_of_the_one_record_at_a_time_rules(seed: int) -> None:
+    rng = random.Random(seed)
+    max_records, max_tokens = rng.choice([1, 2, 7, 50]), rng.choice([1, 10, 60, 10_000])
+    max_bytes = rng.choice([None, 1, 100, 700])
+    batcher = Batcher(max_records, max_tokens, 1.0, clock=FakeClock(), max_bytes=max_bytes)
+    model = OneAtATime(max_records, max_tokens, max_bytes)
+    epochs = {(topic, p): rng.randrange(5) for topic in "ab" for p in range(3)}
+    positions = dict.fromkeys(epochs, 0)
+    for _ in range(30):
+        polled: list[Item] = []
+        for key in rng.sample(sorted(epochs), rng.randint(1, 4)):  # a poll: runs by partition
+            for _ in range(rng.choice([0, 1, 3, 20])):
+                offset = positions[key] = positions[key] + rng.choice([1, 1, 1, 4])
+                source = SourceRecord(key[0], key[1], offset, 0, None, b"v" * rng.randrange(300))
+                if rng.random() < 0.2:
+                    polled.append((BadRecord(source, "decode", "InvalidJson", "x"), None))
+                else:
+                    ids = list(range(rng.choice([1, 5, 30, 80])))
+                    polled.append((GoodRecord(source, "t", None, None), ids))
+        got = [seen(b, b.closed_by) for b in batcher.add(polled, epochs.__getitem__)]
+        assert got == model.add(polled, epochs.__getitem__)
+        assert seen(batcher._open) == model.open
