@@ -12,7 +12,11 @@ For each micro-batch, in batch order:
              owns in the epoch its records were polled in (`Ownership.owns`),
              and only while the group still hears from this worker;
   4. commit  the offset past each published range is committed to Kafka, from
-             the consumer thread, again only for partitions still owned.
+             the consumer thread, again only for partitions still owned. Commits
+             are sent without waiting for the broker's answer (one out at a
+             time, the latest offsets in the next); the worker waits for them
+             only as it stops (`flush`) and counts a partition committed only once
+             acknowledged.
 
 So an offset is committed only when every record below it is in a published
 segment or acknowledged by the dead-letter topic. The output directory, not
@@ -32,8 +36,10 @@ Revocation and publication exclude each other through `Ownership.lock`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
@@ -57,6 +63,22 @@ class PublishedBatch:
     opened_at: float = 0.0  # when the batch's first record was polled (monotonic)
 
 
+@dataclass(frozen=True)
+class Acknowledged:
+    """A commit the broker accepted."""
+
+    seconds: float  # from sending it to learning of its answer
+    opened_at: list[float]  # first-record times of the batches it covered
+
+
+@dataclass
+class _Sent:
+    future: Any  # kafka.future.Future
+    offsets: dict[TopicPartitionKey, int]
+    opened_at: list[float]
+    at: float  # perf_counter when sent
+
+
 class OffsetCommitter:
     """Commits published offsets; runs on the consumer's thread only."""
 
@@ -66,13 +88,18 @@ class OffsetCommitter:
         ownership: Ownership,
         timeout_ms: int = 10_000,
         metadata: Callable[[TopicPartitionKey], str] | None = None,
+        retry_s: float = 1.0,
     ) -> None:
         self._consumer = consumer
         self._ownership = ownership
         self._timeout_ms = timeout_ms
+        self._retry_s = retry_s
         # The committed offset's metadata per partition (consumers.tiers: its tier).
         self._metadata = metadata
         self._pending: dict[TopicPartitionKey, tuple[int, int]] = {}
+        self._opened: list[float] = []  # batches published since the last commit sent
+        self._sent: _Sent | None = None
+        self._last_try = float("-inf")
         self.committed: dict[TopicPartitionKey, int] = {}
         self.failures = 0
         self.failing_since: float | None = None
@@ -80,6 +107,7 @@ class OffsetCommitter:
     def add(self, published: PublishedBatch) -> None:
         for key, offset in published.next_offsets.items():
             self.add_position(key, offset, published.epochs[key])
+        self._opened.append(published.opened_at)
 
     def add_position(self, key: TopicPartitionKey, offset: int, epoch: int) -> None:
         """Commits `offset` for `key` on the next commit, if it moves the commit forward."""
@@ -92,13 +120,44 @@ class OffsetCommitter:
         for key in keys:
             self._pending.pop(key, None)
             self.committed.pop(key, None)
+            if self._sent is not None:
+                self._sent.offsets.pop(key, None)  # its answer must not bring them back
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        """Offsets not yet acknowledged (waiting to be sent, or sent and unanswered)."""
+        return bool(self._pending) or self._sent is not None
 
-    def commit(self, now: float) -> bool:
-        """Commits pending offsets of owned partitions; False when the commit failed."""
+    def commit(self, now: float, wait_s: float = 0.0) -> Acknowledged | None:
+        """Learns the answer to the commit out (waiting up to `wait_s` for it), then
+        sends the pending offsets of owned partitions if none is out; returns the
+        commit acknowledged by this call, if any. A failed commit is retried after
+        `retry_s`, with whatever is pending by then."""
+        acknowledged = self._answer(now, wait_s)
+        if self._sent is not None or not self._pending:
+            return acknowledged
+        if self.failing_since is not None and now - self._last_try < self._retry_s:
+            return acknowledged
+        self._last_try = now
+        offsets = self._owned_offsets()
+        if not offsets:
+            return acknowledged
+        try:
+            future = self._consumer.commit_async(offsets=offsets)  # type: ignore[attr-defined]
+        except Exception as exc:  # no coordinator, closed client: retried
+            self._failed(now, exc)
+            return acknowledged
+        sent = {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
+        self._sent = _Sent(future, sent, self._opened, time.perf_counter())
+        self._opened = []
+        return acknowledged
+
+    @property
+    def sending(self) -> bool:
+        """Whether a commit is out, waiting for its answer."""
+        return self._sent is not None
+
+    def _owned_offsets(self) -> dict[TopicPartition, OffsetAndMetadata]:
         offsets = {}
         with self._ownership.lock:
             for key, (offset, epoch) in list(self._pending.items()):
@@ -107,20 +166,40 @@ class OffsetCommitter:
                     offsets[TopicPartition(*key)] = OffsetAndMetadata(offset, meta, -1)
                 else:
                     del self._pending[key]  # the next owner starts from the outputs
-        if not offsets:
-            return True
-        try:
-            self._consumer.commit(offsets=offsets, timeout_ms=self._timeout_ms)  # type: ignore[attr-defined]
-        except Exception as exc:  # CommitFailed, RebalanceInProgress, broker restarts: retried
-            self.failures += 1
-            if self.failing_since is None:
-                self.failing_since = now
-            log.warning("offset commit failed (retrying): %s", exc)
-            return False
+        return offsets
+
+    def _answer(self, now: float, wait_s: float) -> Acknowledged | None:
+        sent = self._sent
+        if sent is None:
+            return None
+        deadline = time.perf_counter() + wait_s
+        while not sent.future.is_done and time.perf_counter() < deadline:
+            time.sleep(0.002)
+        if not sent.future.is_done:
+            if time.perf_counter() - sent.at < self._timeout_ms / 1000:
+                return None
+            # Unanswered past the request timeout: sent again with what is pending.
+            exc: BaseException = TimeoutError(f"no answer in {self._timeout_ms / 1000:.0f}s")
+        elif sent.future.succeeded():
+            exc = None  # type: ignore[assignment]
+        else:
+            exc = sent.future.exception
+        self._sent = None
+        if exc is not None:
+            self._opened = sent.opened_at + self._opened
+            self._failed(now, exc)
+            return None
         self.failing_since = None
-        for tp, meta in offsets.items():
-            key = (tp.topic, tp.partition)
-            self.committed[key] = meta.offset
-            if self._pending.get(key, (None,))[0] == meta.offset:
+        for key, offset in sent.offsets.items():
+            if offset > self.committed.get(key, -1):
+                self.committed[key] = offset
+            if self._pending.get(key, (None,))[0] == offset:
                 del self._pending[key]
-        return True
+        return Acknowledged(time.perf_counter() - sent.at, sent.opened_at)
+
+    def _failed(self, now: float, exc: BaseException) -> None:
+        # CommitFailed, RebalanceInProgress, broker restarts: retried
+        self.failures += 1
+        if self.failing_since is None:
+            self.failing_since = now
+        log.warning("offset commit failed (retrying): %s", exc)

@@ -71,6 +71,10 @@ _END_CHECK_INTERVAL_S = 1.0
 _END_CHECK_IDLE_S = 0.2  # nothing in flight: the end may just have been reached
 _LAG_METRIC_INTERVAL_S = 2.0
 _COMMIT_RETRY_S = 1.0
+# The longest poll while a commit's answer is awaited.
+_COMMIT_ANSWER_TICK_MS = 10
+# How long a worker that is failing waits for the commits of what it published.
+_FAILURE_COMMIT_WAIT_S = 5.0
 # Polls of fewer texts (unless full) are tokenized here: a trickle gains nothing from
 # the overlap, and its records reach a batch without waiting for another poll.
 TOKENIZER_PROCESS_MIN_TEXTS = 256
@@ -171,7 +175,6 @@ class Worker:
         self._end_targets: dict[TopicPartition, int] = {}
         self._progress: Progress | None = None
         self._last_lag_update = 0.0
-        self._last_commit_try = 0.0
         self._end_checks_failing_since: float | None = None
         self._admin: Any = None
         self.cache: EmbeddingCache | None = None  # opened with the model (pipeline.cache)
@@ -221,6 +224,7 @@ class Worker:
             self._consumer,
             self.ownership,
             metadata=None if self._tiers is None else self._tiers.commit_metadata,
+            retry_s=_COMMIT_RETRY_S,
         )
         self._start_stages()
         try:
@@ -507,10 +511,13 @@ class Worker:
         return True
 
     def _poll_timeout_ms(self) -> int:
+        tick = _POLL_TICK_MS
+        if self._committer is not None and self._committer.sending:
+            tick = _COMMIT_ANSWER_TICK_MS  # its answer is learnt between polls
         until_due = self.batcher.seconds_until_due()
         if until_due is None:
-            return _POLL_TICK_MS
-        return max(0, min(_POLL_TICK_MS, int(until_due * 1000)))
+            return tick
+        return max(0, min(tick, int(until_due * 1000)))
 
     def _ingest(self, polled: dict[Any, list[Any]]) -> None:
         assert self._reader is not None
@@ -653,26 +660,35 @@ class Worker:
                 assert batch is not None
                 self._hand_off(batch)
 
-    def _collect_published(self) -> None:
+    def _collect_published(self, wait_s: float = 0.0) -> None:
         assert self._committer is not None
-        opened: list[float] = []
         for published in _take_all(self._done_q):
             self._committer.add(published)
             self._account(published)
-            opened.append(published.opened_at)
-        now = time.monotonic()
-        if self._committer.has_pending and (
-            self._committer.failing_since is None or now - self._last_commit_try >= _COMMIT_RETRY_S
-        ):
-            self._last_commit_try = now
-            started = time.perf_counter()
-            if self._committer.commit(now):
-                self.metrics.commit_seconds.observe(time.perf_counter() - started)
-                self.summary.last_commit_at = time.monotonic()
-                for opened_at in opened:
-                    self.metrics.batch_latency.observe(self.summary.last_commit_at - opened_at)
+        acknowledged = self._committer.commit(time.monotonic(), wait_s)
+        if acknowledged is not None:
+            self.metrics.commit_seconds.observe(acknowledged.seconds)
+            self.summary.last_commit_at = time.monotonic()
+            for opened_at in acknowledged.opened_at:
+                self.metrics.batch_latency.observe(self.summary.last_commit_at - opened_at)
         self._check_cluster_health(self._committer.failing_since, "committing offsets")
         self.metrics.in_flight.set(len(self.in_flight))
+
+    def _flush_commits(self, timeout_s: float) -> None:
+        """Waits for the answers to the commits of everything published (as the
+        worker stops): commits are otherwise sent without waiting."""
+        assert self._committer is not None
+        deadline = time.monotonic() + timeout_s
+        while self._committer.has_pending and time.monotonic() < deadline:
+            self._collect_published(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
+            if not self._committer.sending:
+                time.sleep(0.05)  # a failed commit's retry pause
+        if self._committer.has_pending:
+            log.warning(
+                "shutdown: offsets not acknowledged after %.0fs; a restart resumes from the "
+                "outputs, which hold everything published",
+                timeout_s,
+            )
 
     def _check_cluster_health(self, failing_since: float | None, what: str) -> None:
         if failing_since is None:
@@ -857,11 +873,13 @@ class Worker:
             self._apply_rebalance(self._poll(50))
             self._collect_published()
         self._collect_published()
+        self._flush_commits(max(1.0, deadline - time.monotonic()))
 
     def _commit_published(self) -> None:
         """On a failure, still commits the batches that were fully published before it."""
         try:
             self._collect_published()
+            self._flush_commits(_FAILURE_COMMIT_WAIT_S)
         except Exception as exc:  # the failure being raised matters more than this commit
             log.warning("committing published batches after the failure: %s", exc)
 

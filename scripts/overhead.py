@@ -13,7 +13,10 @@ One run, one fresh topic of short JSON records, side by side:
          start to the first record polled (its log line).
 
 The ratio pipe/bare is the share of Kafka's own speed the pipeline keeps; the target
-is at least 0.5. `--corpus chinese|mixed` publishes Chinese (or half Chinese) text
+is at least 0.5. Both are also given in CPU time per record, which a busy or throttled
+host disturbs less than records/s: bare's process time from its first record to its
+last, and the worker's (with its tokenizer process, read from /proc) from its first
+record polled to its `done:` line. `--corpus chinese|mixed` publishes Chinese (or half Chinese) text
 found on the machine instead of English (scripts/tokenize_bench.py). Rounds alternate
 (--repeat N) and the medians are compared.
 
@@ -36,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -78,8 +82,8 @@ def publish(kafka: KafkaSettings, records: int, partitions: int, corpus: str = "
     return topic
 
 
-def bare(kafka: KafkaSettings, topic: str, records: int) -> float:
-    """records/s of consume + json.loads, first record to last."""
+def bare(kafka: KafkaSettings, topic: str, records: int) -> dict[str, float]:
+    """records/s of consume + json.loads, first record to last, and CPU µs a record."""
     from kafka import KafkaConsumer
 
     consumer = KafkaConsumer(
@@ -90,21 +94,40 @@ def bare(kafka: KafkaSettings, topic: str, records: int) -> float:
         max_poll_records=4096,
         **kafka.client_kwargs(),
     )
-    seen, first = 0, None
+    seen, first, first_cpu = 0, None, 0.0
     deadline = time.monotonic() + 600
     try:
         while seen < records and time.monotonic() < deadline:
             for batch in consumer.poll(timeout_ms=500).values():
                 if first is None:
-                    first = time.perf_counter()
+                    first, first_cpu = time.perf_counter(), time.process_time()
                 for record in batch:
                     json.loads(record.value)
                 seen += len(batch)
+        elapsed, cpu = time.perf_counter() - (first or 0), time.process_time() - first_cpu
     finally:
         consumer.close()
     if seen < records or first is None:
         raise SystemExit(f"overhead: bare consumer read {seen} of {records}")
-    return seen / (time.perf_counter() - first)
+    return {"rate": seen / elapsed, "cpu_us": cpu / seen * 1e6}
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a live process and its live descendants."""
+    total, todo = 0.0, [pid]
+    while todo:
+        proc = Path("/proc") / str(todo.pop())
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICKS
+            for task in (proc / "task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+    return total
 
 
 def pipe(
@@ -120,13 +143,32 @@ def pipe(
         "--no-progress", "--cache", "off", *flags,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **variant_env}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
-    if done.returncode != 0:
-        raise SystemExit(f"overhead: pipeline run failed:\n{done.stderr[-3000:]}")
-    rate, first = _DONE.search(done.stderr), _FIRST.search(done.stderr)
+    worker = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    watchdog = threading.Timer(1200, worker.kill)
+    watchdog.start()
+    lines, cpu_at_first, cpu_at_done = [], None, None
+    assert worker.stderr is not None
+    try:
+        for line in worker.stderr:  # the worker's log, read as it is written
+            lines.append(line)
+            if cpu_at_first is None and _FIRST.search(line):
+                cpu_at_first = tree_cpu_s(worker.pid)
+            elif cpu_at_done is None and _DONE.search(line):
+                cpu_at_done = tree_cpu_s(worker.pid)
+    finally:
+        watchdog.cancel()
+    stderr = "".join(lines)
+    if worker.wait() != 0:
+        raise SystemExit(f"overhead: pipeline run failed:\n{stderr[-3000:]}")
+    rate, first = _DONE.search(stderr), _FIRST.search(stderr)
     if rate is None or first is None or int(rate["records"]) != records:
-        raise SystemExit(f"overhead: unexpected worker output:\n{done.stderr[-3000:]}")
-    return {"rate": float(rate["rate"].replace(",", "")), "startup_s": float(first["s"])}
+        raise SystemExit(f"overhead: unexpected worker output:\n{stderr[-3000:]}")
+    cpu_s = (cpu_at_done or 0.0) - (cpu_at_first or 0.0)
+    return {
+        "rate": float(rate["rate"].replace(",", "")),
+        "startup_s": float(first["s"]),
+        "cpu_us": cpu_s / records * 1e6,
+    }
 
 
 def main() -> int:
@@ -157,33 +199,43 @@ def main() -> int:
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     topic = publish(kafka, args.records, args.partitions, args.corpus)
-    bares: list[float] = []
+    bares: list[dict[str, float]] = []
     pipes: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="overhead-") as work:
         for n in range(args.repeat):
             bares.append(bare(kafka, topic, args.records))
-            line = f"round {n + 1}: bare {bares[-1]:,.0f} records/s"
+            line = (
+                f"round {n + 1}: bare {bares[-1]['rate']:,.0f} records/s "
+                f"({bares[-1]['cpu_us']:.1f} µs CPU a record)"
+            )
             for name, extra in variants.items():
                 got = pipe(kafka, topic, args.records, model, Path(work), extra)
                 pipes[name].append(got)
                 line += (
-                    f", pipeline ({name}) {got['rate']:,.0f} records/s, "
-                    f"start-up {got['startup_s']:.1f}s"
+                    f", pipeline ({name}) {got['rate']:,.0f} records/s "
+                    f"({got['cpu_us']:.1f} µs), start-up {got['startup_s']:.1f}s"
                 )
             print(line, flush=True)
-    bare_rate = statistics.median(bares)
+    bare_rate = statistics.median(b["rate"] for b in bares)
+    bare_cpu = statistics.median(b["cpu_us"] for b in bares)
     # The first variant's figures are also at the top level.
     report: dict[str, Any] = {"bare": bares, "variants": {}}
     for name, runs in pipes.items():
         pipe_rate = statistics.median(p["rate"] for p in runs)
         startup = statistics.median(p["startup_s"] for p in runs)
+        cpu = statistics.median(p["cpu_us"] for p in runs)
         print(
             f"{args.records} records, {args.partitions} partitions: bare consume+parse "
             f"{bare_rate:,.0f}/s, pipeline ({args.tiny} model, {name}) {pipe_rate:,.0f}/s, "
             f"ratio {pipe_rate / bare_rate:.2f} (target >= 0.5); start-up to first record "
-            f"{startup:.1f}s (target <= 5)"
+            f"{startup:.1f}s (target <= 5); CPU a record: bare {bare_cpu:.1f} µs, pipeline "
+            f"{cpu:.1f} µs (bare/pipeline {bare_cpu / cpu:.2f})"
         )
-        report["variants"][name] = {"pipeline": runs, "ratio": pipe_rate / bare_rate}
+        report["variants"][name] = {
+            "pipeline": runs,
+            "ratio": pipe_rate / bare_rate,
+            "cpu_ratio": bare_cpu / cpu,
+        }
         report.setdefault("pipeline", runs)
         report.setdefault("ratio", pipe_rate / bare_rate)
     if args.json:
