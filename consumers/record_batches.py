@@ -14,11 +14,13 @@ legacy v0/v1 message sets (left to kafka-python's loop). Because that copy and
 the decoder mirror kafka-python's private code, they are used only with the
 exact kafka-python code they were checked against (`_KNOWN_SOURCES`): any other
 kafka-python release falls back to its own decoder, with one log line.
-`PIPELINE_RECORD_DECODER=kafka-python` forces that fallback.
+`PIPELINE_RECORD_DECODER=kafka-python` forces that fallback; `=batch` makes a
+kafka-python the decoder does not mirror an error instead.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -32,6 +34,8 @@ from kafka.consumer.fetcher import ConsumerRecord, Fetcher
 from kafka.protocol.consumer import IsolationLevel
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.util import decode_varint
+
+from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ _KNOWN_FIELDS = (
 )
 
 
+@functools.cache
 def source_digests() -> dict[str, str]:
     """The digests of the kafka-python code this module mirrors, as installed."""
     parts = {
@@ -88,8 +93,6 @@ def install(consumer: kafka.KafkaConsumer) -> bool:
     decoder kept) where the installed kafka-python is not the one mirrored."""
     choice = os.environ.get(DECODER_ENV, "auto").strip().lower() or "auto"
     if choice not in DECODERS:
-        from pipeline.errors import ConfigError
-
         raise ConfigError(f"{DECODER_ENV}={choice!r}: expected one of {', '.join(DECODERS)}")
     if choice == "kafka-python":
         return False
@@ -101,6 +104,11 @@ def install(consumer: kafka.KafkaConsumer) -> bool:
         and config.get("value_deserializer") is None
         and mirrors_installed_kafka_python()
     )
+    if not usable and choice == "batch":
+        raise ConfigError(
+            f"{DECODER_ENV}=batch: kafka-python {kafka.__version__} is not the release the "
+            f"batch decoder mirrors ({MIRRORED_RELEASE}), or deserializers are set"
+        )
     if not usable:
         log.info(
             "record decoding: kafka-python's own (kafka-python %s is not the release "

@@ -270,9 +270,14 @@ def test_used_only_with_the_kafka_python_it_mirrors(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(record_batches.DECODER_ENV, "fastest")
     with pytest.raises(ConfigError, match="PIPELINE_RECORD_DECODER"):
         installed()
-    monkeypatch.delenv(record_batches.DECODER_ENV)
+    monkeypatch.setenv(record_batches.DECODER_ENV, "batch")  # the decoder or an error
+    if MIRRORED:
+        assert installed()
     changed = dict(record_batches._KNOWN_SOURCES, DefaultRecordBatch="0" * 64)
     monkeypatch.setattr(record_batches, "_KNOWN_SOURCES", changed)
+    with pytest.raises(ConfigError, match="not the release"):
+        installed()
+    monkeypatch.delenv(record_batches.DECODER_ENV)
     assert not installed()
 
 
