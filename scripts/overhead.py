@@ -116,13 +116,15 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a live process and its live descendants."""
+    """CPU seconds (user + system) of a process and its descendants: the live ones
+    read one by one, the exited ones from their parent's share of waited-for children
+    (the tokenizer process ends before the worker's `done:` line)."""
     total, todo = 0.0, [pid]
     while todo:
         proc = Path("/proc") / str(todo.pop())
         try:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / _TICKS
+            total += sum(int(f) for f in fields[11:15]) / _TICKS  # utime stime cutime cstime
             for task in (proc / "task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):

@@ -56,3 +56,38 @@ def test_bench_runs_on_64_records_in_two_rounds(broker: str, tmp_path: Path) -> 
     assert all(r["per_s"] > 0 for r in data["rates"].values())
     assert data["quality"]["rows"] == data["quality"]["expected"] == 64
     assert len(data["setup"]["rounds"]["a"]) == len(data["setup"]["rounds"]["d_steady"]) == 2
+
+
+@pytest.mark.integration
+def test_overhead_gives_records_per_second_and_cpu_per_record(broker: str, tmp_path: Path) -> None:
+    """scripts/overhead.py side by side with two variants: rates, CPU a record
+    (the worker's read from /proc), ratios; the decoder variant runs too."""
+    results = tmp_path / "overhead.json"
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "overhead.py"),
+        "--records",
+        "3000",
+        "--repeat",
+        "1",
+        "--tiny",
+        "zero",
+        "--bootstrap-servers",
+        broker,
+        "--variants",
+        "batch=;kafka-python=PIPELINE_RECORD_DECODER=kafka-python",
+        "--json",
+        str(results),
+    ]
+    proc = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("CPU a record: bare") == 2, proc.stdout
+    data = json.loads(results.read_text())
+    assert data["bare"][0]["rate"] > 0 and data["bare"][0]["cpu_us"] > 0
+    for variant in ("batch", "kafka-python"):
+        (run,) = data["variants"][variant]["pipeline"]
+        assert run["rate"] > 0 and run["startup_s"] > 0
+        assert 0 < run["cpu_us"] < 10_000  # the worker's tree was read, per record
+        assert data["variants"][variant]["cpu_ratio"] > 0
