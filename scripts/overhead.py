@@ -15,10 +15,11 @@ One run, one fresh topic of short JSON records, side by side:
 The ratio pipe/bare is the share of Kafka's own speed the pipeline keeps; the target
 is at least 0.5. Both are also given in CPU time per record, which a busy or throttled
 host disturbs less than records/s: bare's process time from its first record to its
-last, and the worker's (with its tokenizer process, read from /proc) from its first
-record polled to its `done:` line. `--corpus chinese|mixed` publishes Chinese (or half Chinese) text
-found on the machine instead of English (scripts/tokenize_bench.py). Rounds alternate
-(--repeat N) and the medians are compared.
+last, and the worker's from its first record polled to its `done:` line (read from
+/proc: the worker process, and with its children, the tokenizer process among them).
+`--corpus chinese|mixed` publishes Chinese (or half Chinese) text found on the machine
+instead of English (scripts/tokenize_bench.py). Rounds alternate (--repeat N) and the
+medians are compared.
 
 --variants runs the pipeline once per variant in every round: NAME=[ENV=VALUE ...]
 [WORKER FLAGS], e.g. "fast=;rust=PIPELINE_TOKENIZER=rust" (the WordPiece fast
@@ -115,21 +116,27 @@ def bare(kafka: KafkaSettings, topic: str, records: int) -> dict[str, float]:
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its descendants: the live ones
-    read one by one, the exited ones from their parent's share of waited-for children
-    (the tokenizer process ends before the worker's `done:` line)."""
-    total, todo = 0.0, [pid]
+def tree_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of a process itself, and of its descendants: the
+    live ones read one by one, the exited ones from their parent's share of
+    waited-for children (the tokenizer process ends before the worker's `done:`)."""
+    own, descendants, todo = 0.0, 0.0, [pid]
     while todo:
-        proc = Path("/proc") / str(todo.pop())
+        current = todo.pop()
+        proc = Path("/proc") / str(current)
         try:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            total += sum(int(f) for f in fields[11:15]) / _TICKS  # utime stime cutime cstime
+            user, system, waited_user, waited_system = (int(f) for f in fields[11:15])
+            if current == pid:
+                own += (user + system) / _TICKS
+            else:
+                descendants += (user + system) / _TICKS
+            descendants += (waited_user + waited_system) / _TICKS
             for task in (proc / "task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue  # exited meanwhile
-    return total
+    return own, descendants
 
 
 def pipe(
@@ -165,11 +172,13 @@ def pipe(
     rate, first = _DONE.search(stderr), _FIRST.search(stderr)
     if rate is None or first is None or int(rate["records"]) != records:
         raise SystemExit(f"overhead: unexpected worker output:\n{stderr[-3000:]}")
-    cpu_s = (cpu_at_done or 0.0) - (cpu_at_first or 0.0)
+    first_cpu, done_cpu = cpu_at_first or (0.0, 0.0), cpu_at_done or (0.0, 0.0)
+    worker_s, children_s = done_cpu[0] - first_cpu[0], done_cpu[1] - first_cpu[1]
     return {
         "rate": float(rate["rate"].replace(",", "")),
         "startup_s": float(first["s"]),
-        "cpu_us": cpu_s / records * 1e6,
+        "cpu_us": (worker_s + children_s) / records * 1e6,
+        "worker_cpu_us": worker_s / records * 1e6,
     }
 
 
@@ -215,7 +224,8 @@ def main() -> int:
                 pipes[name].append(got)
                 line += (
                     f", pipeline ({name}) {got['rate']:,.0f} records/s "
-                    f"({got['cpu_us']:.1f} µs), start-up {got['startup_s']:.1f}s"
+                    f"({got['cpu_us']:.1f} µs, worker process {got['worker_cpu_us']:.1f}), "
+                    f"start-up {got['startup_s']:.1f}s"
                 )
             print(line, flush=True)
     bare_rate = statistics.median(b["rate"] for b in bares)
@@ -226,17 +236,20 @@ def main() -> int:
         pipe_rate = statistics.median(p["rate"] for p in runs)
         startup = statistics.median(p["startup_s"] for p in runs)
         cpu = statistics.median(p["cpu_us"] for p in runs)
+        worker_cpu = statistics.median(p["worker_cpu_us"] for p in runs)
         print(
             f"{args.records} records, {args.partitions} partitions: bare consume+parse "
             f"{bare_rate:,.0f}/s, pipeline ({args.tiny} model, {name}) {pipe_rate:,.0f}/s, "
             f"ratio {pipe_rate / bare_rate:.2f} (target >= 0.5); start-up to first record "
             f"{startup:.1f}s (target <= 5); CPU a record: bare {bare_cpu:.1f} µs, pipeline "
-            f"{cpu:.1f} µs (bare/pipeline {bare_cpu / cpu:.2f})"
+            f"{cpu:.1f} µs (bare/pipeline {bare_cpu / cpu:.2f}), of which the worker process "
+            f"{worker_cpu:.1f} µs (bare/worker {bare_cpu / worker_cpu:.2f})"
         )
         report["variants"][name] = {
             "pipeline": runs,
             "ratio": pipe_rate / bare_rate,
             "cpu_ratio": bare_cpu / cpu,
+            "worker_cpu_ratio": bare_cpu / worker_cpu,
         }
         report.setdefault("pipeline", runs)
         report.setdefault("ratio", pipe_rate / bare_rate)

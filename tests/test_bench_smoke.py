@@ -90,4 +90,5 @@ def test_overhead_gives_records_per_second_and_cpu_per_record(broker: str, tmp_p
         (run,) = data["variants"][variant]["pipeline"]
         assert run["rate"] > 0 and run["startup_s"] > 0
         assert 0 < run["cpu_us"] < 10_000  # the worker's tree was read, per record
+        assert 0 < run["worker_cpu_us"] <= run["cpu_us"]
         assert data["variants"][variant]["cpu_ratio"] > 0
