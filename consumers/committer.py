@@ -14,9 +14,9 @@ For each micro-batch, in batch order:
   4. commit  the offset past each published range is committed to Kafka, from
              the consumer thread, again only for partitions still owned. Commits
              are sent without waiting for the broker's answer (one out at a
-             time, the latest offsets in the next); the worker waits for them
-             only as it stops (`flush`) and counts a partition committed only once
-             acknowledged.
+             time, the latest offsets in the next); the worker waits for the
+             answers only as it stops (`Worker._flush_commits`), and a partition
+             counts as committed only once acknowledged.
 
 So an offset is committed only when every record below it is in a published
 segment or acknowledged by the dead-letter topic. The output directory, not
@@ -175,19 +175,18 @@ class OffsetCommitter:
         deadline = time.perf_counter() + wait_s
         while not sent.future.is_done and time.perf_counter() < deadline:
             time.sleep(0.002)
+        error: BaseException | None
         if not sent.future.is_done:
             if time.perf_counter() - sent.at < self._timeout_ms / 1000:
                 return None
             # Unanswered past the request timeout: sent again with what is pending.
-            exc: BaseException = TimeoutError(f"no answer in {self._timeout_ms / 1000:.0f}s")
-        elif sent.future.succeeded():
-            exc = None  # type: ignore[assignment]
+            error = TimeoutError(f"no answer in {self._timeout_ms / 1000:.0f}s")
         else:
-            exc = sent.future.exception
+            error = None if sent.future.succeeded() else sent.future.exception
         self._sent = None
-        if exc is not None:
+        if error is not None:
             self._opened = sent.opened_at + self._opened
-            self._failed(now, exc)
+            self._failed(now, error)
             return None
         self.failing_since = None
         for key, offset in sent.offsets.items():
