@@ -86,6 +86,11 @@ class InFlight:
         with self._cond:
             return len(self._batches)
 
+    def wait_fewer_than(self, count: int, timeout_s: float) -> bool:
+        """Waits until fewer than `count` batches are out; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._batches) < count, timeout=timeout_s)
+
     def count(self, where: Callable[[set[TopicPartitionKey]], bool]) -> int:
         """Batches whose partitions satisfy `where` (consumers.tiers: backfill ones)."""
         with self._cond:

@@ -9,7 +9,9 @@ Backpressure: at most `max_in_flight` batches are between poll and commit.
 When that many are out, every owned partition is paused and `poll()` keeps
 being called (it returns nothing for paused partitions), so the worker stays in
 its group however slow a batch is, and memory stays bounded by the batches in
-flight plus the consumer's fetch buffers, whatever the backlog.
+flight plus the consumer's fetch buffers, whatever the backlog. Between those
+polls the loop waits for a batch to be published (a poll tick at most), not for
+a paused poll's timeout: reading resumes as soon as there is room.
 
 Rebalances, positions and fencing live in `consumers.partitions`; the commit
 protocol in `consumers.committer`; damaged outputs in `consumers.repair`.
@@ -416,9 +418,10 @@ class Worker:
         while not self.shutdown.is_set():
             self._check_stages()
             self._collect_published()
-            self._flow_control()
-            # With a poll's ids still to come, the next poll only takes what is there.
-            timeout = 0 if self._pending is not None else self._poll_timeout_ms()
+            blocked = self._make_room()
+            # With a poll's ids still to come, the next poll only takes what is there;
+            # with every partition still paused, the wait for room was the poll's wait.
+            timeout = 0 if self._pending is not None or blocked else self._poll_timeout_ms()
             polled = self._apply_rebalance(self._poll(timeout))
             if polled:
                 if self.summary.first_record_at is None:
@@ -599,13 +602,30 @@ class Worker:
             except queue.Full:
                 self._check_stages()
 
-    def _flow_control(self) -> None:
-        assert self._reader is not None
+    def _make_room(self) -> bool:
+        """Flow control. While every owned partition is paused for the batches in
+        flight, waits (a poll tick at most) for one of them to be published: a paused
+        poll would sleep its whole timeout however soon that happens. Returns whether
+        every partition is still paused."""
+        if not self._flow_control() or self._pending is not None:
+            return False
+        out = len(self.in_flight)
+        if not out:
+            return False  # paused for another reason (consumers.tiers): a poll's wait
+        if self.in_flight.wait_fewer_than(out, self._poll_timeout_ms() / 1000):
+            self._collect_published()
+            return self._flow_control()
+        return True
+
+    def _flow_control(self) -> bool:
+        """Pauses and resumes partitions; returns whether every owned one is paused."""
+        assert self._reader is not None and self._consumer is not None
         if self._tiers is not None:
-            self.metrics.paused.set(self._tier_pauses())
-            return
-        full = len(self.in_flight) >= self.config.max_in_flight
-        self.metrics.paused.set(self._reader.set_paused(full))
+            paused = self._tier_pauses()
+        else:
+            paused = self._reader.set_paused(len(self.in_flight) >= self.config.max_in_flight)
+        self.metrics.paused.set(paused)
+        return paused > 0 and paused == len(self._consumer.assignment())
 
     def _tier_pauses(self) -> int:
         """With --backfill-topic: backfill waits while nearline has lag (with

@@ -231,6 +231,22 @@ def test_revocation_waits_for_in_flight_work_but_a_loss_does_not(world) -> None:
     assert changes == [Change.ASSIGNED, Change.REVOKED, Change.LOST]
 
 
+def test_waiting_for_room_ends_when_a_batch_is_published_not_at_the_timeout(world) -> None:
+    """The poll loop, with every partition paused for the batches in flight, waits
+    for one of them to be published (consumers.worker._make_room)."""
+    _, ownership, _ = world
+    in_flight = ownership.in_flight
+    in_flight.started(1, [(T, 0)])
+    in_flight.started(2, [(T, 1)])
+    assert not in_flight.wait_fewer_than(2, timeout_s=0.05)
+    threading.Timer(0.1, in_flight.finished, args=(1,)).start()
+    started = time.monotonic()
+    assert in_flight.wait_fewer_than(2, timeout_s=10)
+    assert time.monotonic() - started < 5
+    assert len(in_flight) == 1
+    assert in_flight.wait_fewer_than(2, timeout_s=0)  # already room: no wait
+
+
 def test_records_polled_before_a_partition_was_sought_are_not_taken(world, tmp_path: Path) -> None:
     # The group committed up to 333, but the outputs end at 327 (the last segment
     # was damaged and moved aside): the poll that assigned the partition returned
