@@ -32,11 +32,9 @@ import socket
 import subprocess
 import sys
 import time
-from itertools import chain, pairwise
+from itertools import pairwise
 from multiprocessing.connection import Connection
 from typing import Any
-
-import numpy as np
 
 from pipeline.errors import PipelineError
 
@@ -185,10 +183,5 @@ def _serve(conn: Connection, max_length: int) -> None:
     conn.send_bytes(pickle.dumps(("ready", None)))
     while True:
         texts: list[str] = pickle.loads(conn.recv_bytes())
-        ids, truncated, others = wordpiece.encode_taken(fast, texts)
-        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        offsets = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter(chain.from_iterable(ids), np.int32, int(offsets[-1]))
-        answer = ("ids", (flat, offsets, truncated, others))
+        answer = ("ids", wordpiece.encode_taken_flat(fast, texts))
         conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 # What BertNormalizer's clean_text removes from ASCII (tab, newline and carriage
@@ -194,20 +196,54 @@ class FastWordPiece:
         third of the CPU of a regex pass per text, which was most of its cost."""
         if not texts:
             return [], 0
-        joined = f" {_TEXT_END} ".join(texts)
-        if len(joined.encode("ascii").translate(None, _PLAIN_ASCII)) != len(texts) - 1:
+        flat = self._ascii_pieces(texts)
+        if flat is None:
             # A text with control characters: they go one at a time.
             encoded = [self.encode(text) for text in texts]
             return [ids for ids, _ in encoded], sum(cut for _, cut in encoded)
+        return self._split_at_ends(flat, len(texts))
+
+    def encode_ascii_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """`encode_ascii` as arrays: every text's ids end to end (int32), the offsets
+        where each text's ids start (and the last ends), and how many were truncated;
+        the ends are placed in numpy, not text by text. None where a text has control
+        characters (`encode_ascii` then takes them one at a time)."""
+        if not texts:
+            return None
+        flat = self._ascii_pieces(texts)
+        return None if flat is None else self._arrays_at_ends(flat, len(texts))
+
+    def _ascii_pieces(self, texts: list[str]) -> list[int] | None:
+        """Every text's pieces, without [CLS] and [SEP], _END_ID between two texts."""
+        joined = f" {_TEXT_END} ".join(texts)
+        if len(joined.encode("ascii").translate(None, _PLAIN_ASCII)) != len(texts) - 1:
+            return None
         if self._lowercase:
             joined = joined.lower()
         chunks = joined.split()
         try:
-            flat = list(chain.from_iterable(map(self._memo.get, chunks)))
+            return list(chain.from_iterable(map(self._memo.get, chunks)))
         except TypeError:  # a chunk not met before (None)
             get, pieces = self._memo.get, self._chunk_pieces
-            flat = list(chain.from_iterable(get(chunk) or pieces(chunk) for chunk in chunks))
-        return self._split_at_ends(flat, len(texts))
+            return list(chain.from_iterable(get(chunk) or pieces(chunk) for chunk in chunks))
+
+    def _arrays_at_ends(self, flat: list[int], count: int) -> tuple[np.ndarray, np.ndarray, int]:
+        pieces = np.array(flat, dtype=np.int32)
+        ends = np.flatnonzero(pieces == _END_ID)
+        starts = np.concatenate(([0], ends + 1))
+        lengths = np.concatenate((ends, [len(pieces)])) - starts
+        kept = np.minimum(lengths, self._max_body)
+        offsets = np.zeros(count + 1, np.int64)
+        np.cumsum(kept + 2, out=offsets[1:])
+        ids = np.empty(int(offsets[-1]), np.int32)
+        body = np.ones(len(ids), bool)
+        body[offsets[:-1]] = body[offsets[1:] - 1] = False
+        ids[offsets[:-1]] = self._cls
+        ids[offsets[1:] - 1] = self._sep
+        # A kept piece's place in `ids` less its place in `pieces`: one shift a text.
+        at = np.flatnonzero(body)
+        ids[at] = pieces[at - np.repeat(offsets[:-1] + 1 - starts, kept)]
+        return ids, offsets, int(np.count_nonzero(lengths > self._max_body))
 
     def _chunk_pieces(self, chunk: str) -> list[int]:
         """The pieces of a whitespace-free ASCII string: its words' pieces in turn.
@@ -413,24 +449,86 @@ def encode_taken(fast: FastWordPiece, texts: list[str]) -> tuple[list[list[int]]
     """(ids, truncated, others): the ids of every text `fast` takes, ASCII ones all at
     once; `others` are the indices of the texts it leaves to the Rust tokenizer (their
     ids here are empty)."""
+    plain, single, others = _taken_kinds(fast, texts)
     ids: list[list[int]] = [[]] * len(texts)
-    plain: list[int] = []
-    others: list[int] = []
     truncated = 0
-    for i, text in enumerate(texts):
-        if not fast.handles(text):
-            others.append(i)
-        elif text.isascii():
-            plain.append(i)
-        else:
-            ids[i], cut = fast.encode(text)
-            truncated += cut
+    for i in single:
+        ids[i], cut = fast.encode(texts[i])
+        truncated += cut
     if plain:
         plain_ids, plain_truncated = fast.encode_ascii([texts[i] for i in plain])
         for i, one in zip(plain, plain_ids, strict=True):
             ids[i] = one
         truncated += plain_truncated
     return ids, truncated, others
+
+
+def encode_taken_flat(
+    fast: FastWordPiece, texts: list[str]
+) -> tuple[np.ndarray, np.ndarray, int, list[int]]:
+    """`encode_taken` as arrays: every text's ids end to end (int32), the offsets
+    where each starts (and the last ends), truncated and others (their ids empty).
+    The plain ASCII texts' ids are placed in numpy (`FastWordPiece.encode_ascii_flat`),
+    without a list of ids a text."""
+    plain, single, others = _taken_kinds(fast, texts)
+    groups: list[tuple[list[int], np.ndarray, np.ndarray]] = []
+    truncated = 0
+    if plain:
+        taken = fast.encode_ascii_flat([texts[i] for i in plain])
+        if taken is None:  # control characters: one text at a time
+            single = sorted(single + plain)
+        else:
+            truncated += taken[2]
+            groups.append((plain, taken[0], taken[1]))
+    if single:
+        encoded = [fast.encode(texts[i]) for i in single]
+        truncated += sum(cut for _, cut in encoded)
+        groups.append((single, *_end_to_end([ids for ids, _ in encoded])))
+    ids, offsets = _merged(len(texts), groups)
+    return ids, offsets, truncated, others
+
+
+def _taken_kinds(fast: FastWordPiece, texts: list[str]) -> tuple[list[int], list[int], list[int]]:
+    """The indices of the plain ASCII texts `fast` takes, of the others it takes
+    (one at a time) and of those it leaves to the Rust tokenizer."""
+    plain: list[int] = []
+    single: list[int] = []
+    others: list[int] = []
+    for i, text in enumerate(texts):
+        if not fast.handles(text):
+            others.append(i)
+        elif text.isascii():
+            plain.append(i)
+        else:
+            single.append(i)
+    return plain, single, others
+
+
+def _end_to_end(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    offsets = np.zeros(len(ids) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return np.fromiter(chain.from_iterable(ids), np.int32, int(offsets[-1])), offsets
+
+
+def _merged(
+    count: int, groups: list[tuple[list[int], np.ndarray, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """One array of ids end to end, in text order, from groups of (the texts'
+    indices, their ids end to end, their offsets); texts in no group get none."""
+    if len(groups) == 1 and len(groups[0][0]) == count:
+        return groups[0][1], groups[0][2]  # every text, in order
+    lengths = np.zeros(count, np.int64)
+    for indices, _, offsets in groups:
+        lengths[indices] = np.diff(offsets)
+    merged = np.zeros(count + 1, np.int64)
+    np.cumsum(lengths, out=merged[1:])
+    ids = np.empty(int(merged[-1]), np.int32)
+    for indices, group_ids, offsets in groups:
+        # Each text's ids move by (where they go) - (where they were): one shift a text.
+        shift = np.repeat(merged[indices] - offsets[:-1], np.diff(offsets))
+        ids[shift + np.arange(len(group_ids))] = group_ids
+    return ids, merged
 
 
 def for_tokenizer(rust_tokenizer: Any, max_length: int) -> FastWordPiece | None:

@@ -9,8 +9,10 @@ import re
 import string
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
@@ -108,6 +110,10 @@ def equal_to_rust_in_batches(
         ids, truncated = fast.encode_ascii(batch)
         assert ids == [e.ids for e in expected]
         assert truncated == sum(bool(e.overflowing) for e in expected)
+        # The same as arrays, as the tokenizer process sends them.
+        flat, offsets, flat_truncated, others = wordpiece.encode_taken_flat(fast, batch)
+        assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == ids
+        assert (flat_truncated, others, flat.dtype) == (truncated, [], np.int32)
 
 
 def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> None:
@@ -205,6 +211,11 @@ def test_texts_it_does_not_handle_go_to_the_rust_tokenizer_in_order(embedder: Em
     fast = embedder._wordpiece
     assert fast is not None
     assert [fast.handles(t) for t in texts] == [1, 1, 1, 0, 1, 0, 1, 1]
+    # As arrays (the tokenizer process's answer): the same ids, empty for others.
+    listed, listed_truncated, listed_others = wordpiece.encode_taken(fast, texts)
+    flat, offsets, flat_truncated, others = wordpiece.encode_taken_flat(fast, texts)
+    assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == listed
+    assert (flat_truncated, others) == (listed_truncated, listed_others) == (0, [3, 5])
 
 
 def test_characters_the_check_disagrees_on_go_to_the_rust_tokenizer(
