@@ -252,6 +252,18 @@ def test_damaged_records_fail_as_kafka_pythons_after_the_same_records() -> None:
     assert errors > 100  # the damage reached the decoder, not just the values
 
 
+@needs_mirrored
+def test_damaged_records_fail_the_crc_check_as_kafka_pythons() -> None:
+    """With check_crcs on (the worker's setting), the same batches fail the CRC (the C
+    crc32c, called holding the GIL), with the same error, after the same records."""
+    failed = 0
+    for data in damaged(random.Random(6)):
+        result = same_as_kafka_python(data, check_crcs=True)
+        last = result["takes"][-1]
+        failed += last[0] == "error" and "failed crc check" in last[2]
+    assert failed >= 200
+
+
 def test_used_only_with_the_kafka_python_it_mirrors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert record_batches.mirrors_installed_kafka_python() == MIRRORED
 
