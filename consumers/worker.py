@@ -172,6 +172,8 @@ class Worker:
         # A poll's records (and their texts, as tokenized) whose ids the tokenizer
         # process has yet to send; at most one poll's worth.
         self._pending: tuple[list[GoodRecord | BadRecord], list[str]] | None = None
+        # A poll's records as polled, with their parses (_poll, for _ingest).
+        self._parsed_ahead: dict[Any, tuple[list[Any], list[GoodRecord | BadRecord]]] = {}
         self._committer: OffsetCommitter | None = None
         self._stages: list[Stage] = []
         self._end_targets: dict[TopicPartition, int] = {}
@@ -463,6 +465,12 @@ class Worker:
             failure = None
         except kerrors.KafkaError as exc:
             polled, failure = {}, exc
+        # Parsed before the previous poll's ids are waited for: the tokenizer process
+        # works on those meanwhile. Which of these records are taken is still decided
+        # in _ingest, once the rebalance is applied (parsing is a pure step).
+        self._parsed_ahead = {
+            tp: (records, [self.parser.parse(r) for r in records]) for tp, records in polled.items()
+        }
         # The previous poll's records join the batcher before anything this poll
         # brought (a rebalance, a restart out of range) touches it.
         self._finish_pending()
@@ -525,15 +533,18 @@ class Worker:
     def _ingest(self, polled: dict[Any, list[Any]]) -> None:
         assert self._reader is not None
         sources: list[Source] = []
+        parsed: list[GoodRecord | BadRecord] = []
         for tp, records in polled.items():
-            sources += self._reader.accept_run((tp.topic, tp.partition), records)
+            taken = self._reader.accept_run((tp.topic, tp.partition), records)
+            sources += taken
+            parsed += self._parsed(tp, records, taken)
+        self._parsed_ahead = {}
         if not sources:
             return
         if self._tiers is not None:
             backfill = sum(1 for s in sources if s.topic in self._tiers.backfill_topics)
             self.metrics.tier_records.labels(BACKFILL).inc(backfill)
             self.metrics.tier_records.labels(NEARLINE).inc(len(sources) - backfill)
-        parsed = [self.parser.parse(s) for s in sources]
         texts = [p.text for p in parsed if isinstance(p, GoodRecord)]
         assert self._pending is None, "the previous poll's records come first"
         if self._tokenizer_takes(texts):
@@ -544,6 +555,18 @@ class Worker:
             return
         tokens = self.embedder.tokenize(texts)
         self._add(parsed, tokens.ids, tokens.truncated)
+
+    def _parsed(
+        self, tp: TopicPartition, records: list[Any], taken: list[Any]
+    ) -> list[GoodRecord | BadRecord]:
+        """The parses of `taken`, of one partition's polled `records`, from _poll's."""
+        ahead = self._parsed_ahead.get(tp)
+        if ahead is None or ahead[0] is not records:
+            return [self.parser.parse(s) for s in taken]
+        if taken is records:
+            return ahead[1]
+        kept = {id(s) for s in taken}
+        return [p for s, p in zip(records, ahead[1], strict=True) if id(s) in kept]
 
     def _finish_pending(self) -> None:
         """Adds the records whose ids the tokenizer process was working on."""
