@@ -40,7 +40,9 @@ from pipeline.errors import ConfigError
 
 try:
     from crc32c import crc32c as _crc32c
-except ImportError:  # kafka-python's own CRC then (pure Python without the extra)
+
+    _crc32c(b"", gil_release_mode=0)  # crc32c before 2.4 has no such argument
+except (ImportError, TypeError):  # kafka-python's own CRC then
     _crc32c = None
 
 log = logging.getLogger(__name__)
