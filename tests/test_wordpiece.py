@@ -263,6 +263,16 @@ def test_remembered_words_stay_bounded(monkeypatch: pytest.MonkeyPatch, embedder
     texts = [t for t in ascii_fuzz(300, seed=12, controls=False) if fast.handles(t)]
     assert fast.encode_ascii(texts)[0] == [e.ids for e in rust(embedder).encode_batch(texts)]
     assert len(fast._memo) <= 50
+    # The array path's table of chunks is cleared between batches, never within one.
+    sizes = []
+    for start in range(0, len(texts), 40):
+        batch = texts[start : start + 40]
+        flat, offsets, _, _ = wordpiece.encode_taken_flat(fast, batch)
+        expected = [e.ids for e in rust(embedder).encode_batch(batch)]
+        assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == expected
+        sizes.append(len(fast._table._slots))
+        assert sizes[-1] < 50 + len(set(" \x00 ".join(batch).lower().split()))
+    assert any(later < earlier for earlier, later in pairwise(sizes))  # it was cleared
 
 
 def _with(tokenizer: Tokenizer, **changes: object) -> Tokenizer:
