@@ -15,6 +15,9 @@ runs on several) and wall µs per text, through `Embedder.tokenize` with the fas
 path and with PIPELINE_TOKENIZER=rust, and whether every id agreed. The fast path
 runs twice: first with every text new to it, then again (words and whitespace-
 delimited chunks remembered: a corpus whose vocabulary repeats, as real ones do).
+"array" is the same fast path as the worker's tokenizer process runs it
+(`wordpiece.encode_taken_flat`: every text's ids in one array, the texts it leaves
+to the Rust tokenizer not counted), first and again, on a fresh instance.
 
     .venv/bin/python scripts/tokenize_bench.py [--model default] [--texts 20000]
         [--file FILE ...] [--json FILE]
@@ -28,6 +31,7 @@ import json
 import sys
 import sysconfig
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +83,20 @@ def timed(embedder: Embedder, texts: list[str]) -> tuple[list[list[int]], float,
     return ids, cpu / len(texts) * 1e6, wall / len(texts) * 1e6
 
 
+def timed_array(fast: Any, texts: list[str]) -> tuple[list[list[int] | None], float]:
+    """The ids as the tokenizer process gives them (None for texts it leaves to the
+    Rust tokenizer) and the CPU µs a text."""
+    from pipeline import wordpiece
+
+    cpu = time.process_time()
+    flat, offsets, _, others = wordpiece.encode_taken_flat(fast, texts)
+    cpu = time.process_time() - cpu
+    ids: list[list[int] | None] = [flat[a:b].tolist() for a, b in pairwise(offsets)]
+    for i in others:
+        ids[i] = None
+    return ids, cpu / len(texts) * 1e6
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
@@ -87,6 +105,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     # Imported here: scripts/overhead.py takes only the corpora, without torch.
+    from tokenizers import Tokenizer
+
+    from pipeline import wordpiece
     from pipeline.embedder import Embedder
 
     embedder = Embedder.load(args.model, device="cpu")
@@ -102,6 +123,16 @@ def main() -> int:
         embedder._wordpiece = None
         rust_ids, rust_cpu, rust_wall = timed(embedder, texts)
         embedder._wordpiece = fast
+        array = wordpiece.for_tokenizer(
+            Tokenizer.from_str(embedder.tokenizer_json()), embedder.info.max_length
+        )
+        assert array is not None
+        timed_array(array, texts[:200])
+        array_ids, array_cpu = timed_array(array, texts)
+        array_again_ids, array_warm_cpu = timed_array(array, texts)
+        array_equal = array_ids == array_again_ids and all(
+            mine is None or mine == theirs for mine, theirs in zip(array_ids, rust_ids, strict=True)
+        )
         rows.append({
             "corpus": name,
             "texts": len(texts),
@@ -113,7 +144,9 @@ def main() -> int:
             "rust_wall_us": round(rust_wall, 1),
             "fast_wall_us": round(fast_wall, 1),
             "cpu_ratio": round(fast_cpu / rust_cpu, 3),
-            "ids_equal": fast_ids == rust_ids == warm_ids,
+            "array_cpu_us": round(array_cpu, 1),
+            "array_warm_cpu_us": round(array_warm_cpu, 1),
+            "ids_equal": fast_ids == rust_ids == warm_ids and array_equal,
         })  # fmt: skip
     print(f"tokenizer ({args.model}), µs per text; ratio = fast CPU / Rust CPU")
     for r in rows:
@@ -122,7 +155,8 @@ def main() -> int:
             f"{r['taken']:.1%} taken: CPU rust {r['rust_cpu_us']:6.1f} fast "
             f"{r['fast_cpu_us']:6.1f} (ratio {r['cpu_ratio']:.2f}), again "
             f"{r['fast_warm_cpu_us']:.1f}; wall rust {r['rust_wall_us']:6.1f} fast "
-            f"{r['fast_wall_us']:6.1f}; ids equal: {r['ids_equal']}"
+            f"{r['fast_wall_us']:6.1f}; array {r['array_cpu_us']:.1f}, again "
+            f"{r['array_warm_cpu_us']:.1f}; ids equal: {r['ids_equal']}"
         )
     if "chinese" not in {r["corpus"] for r in rows}:
         print("  (no Chinese text found on this machine: pass --file)")

@@ -336,8 +336,9 @@ def test_non_ascii_rules_the_sample_check_disagrees_with_are_not_used(
 
 
 def test_tokenize_bench_compares_both_paths_on_every_corpus(tmp_path: Path) -> None:
-    """scripts/tokenize_bench.py (the figures in the README) runs, and the two paths
-    gave the same ids on English and, where the machine has CJK text, Chinese and mixed."""
+    """scripts/tokenize_bench.py (the figures in the README) runs, and the paths (the
+    tokenizer process's arrays among them) gave the same ids on English and, where the
+    machine has CJK text, Chinese and mixed."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "tokenize_bench.py"
     out = tmp_path / "bench.json"
     done = subprocess.run(
@@ -348,3 +349,4 @@ def test_tokenize_bench_compares_both_paths_on_every_corpus(tmp_path: Path) -> N
     rows = json.loads(out.read_text())
     assert {"english"} <= {r["corpus"] for r in rows}
     assert all(r["ids_equal"] and r["taken"] > 0.5 for r in rows), rows
+    assert all(r["array_cpu_us"] > 0 and r["array_warm_cpu_us"] > 0 for r in rows), rows
