@@ -198,11 +198,18 @@ class FastWordPiece:
         if not texts:
             return [], 0
         flat = self._ascii_pieces(texts)
-        if flat is None:
-            # A text with control characters: they go one at a time.
-            encoded = [self.encode(text) for text in texts]
-            return [ids for ids, _ in encoded], sum(cut for _, cut in encoded)
-        return self._split_at_ends(flat, len(texts))
+        if flat is not None:
+            return self._split_at_ends(flat, len(texts))
+        # Texts with control characters go one at a time, the others still at once.
+        clean, controls = _plain_and_controls(texts, range(len(texts)))
+        ids: list[list[int]] = [[]] * len(texts)
+        ids_of_clean, truncated = self.encode_ascii([texts[i] for i in clean])
+        for i, one in zip(clean, ids_of_clean, strict=True):
+            ids[i] = one
+        for i in controls:
+            ids[i], cut = self.encode(texts[i])
+            truncated += cut
+        return ids, truncated
 
     def encode_ascii_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int] | None:
         """`encode_ascii` as arrays: every text's ids end to end (int32), the offsets
@@ -547,9 +554,11 @@ def encode_taken_flat(
     truncated = 0
     if plain:
         taken = fast.encode_ascii_flat([texts[i] for i in plain])
-        if taken is None:  # control characters: one text at a time
-            single = sorted(single + plain)
-        else:
+        if taken is None:  # texts with control characters go one at a time
+            plain, controls = _plain_and_controls(texts, plain)
+            single = sorted(single + controls)
+            taken = fast.encode_ascii_flat([texts[i] for i in plain])
+        if taken is not None:
             truncated += taken[2]
             groups.append((plain, taken[0], taken[1]))
     if single:
@@ -558,6 +567,17 @@ def encode_taken_flat(
         groups.append((single, *_end_to_end([ids for ids, _ in encoded])))
     ids, offsets = _merged(len(texts), groups)
     return ids, offsets, truncated, others
+
+
+def _plain_and_controls(texts: list[str], indices: Iterable[int]) -> tuple[list[int], list[int]]:
+    """The ASCII texts at `indices`: those that may be tokenized joined with others,
+    and those with control characters (each alone: BERT drops them)."""
+    plain: list[int] = []
+    controls: list[int] = []
+    for i in indices:
+        has_controls = texts[i].encode("ascii").translate(None, _PLAIN_ASCII)
+        (controls if has_controls else plain).append(i)
+    return plain, controls
 
 
 def _taken_kinds(fast: FastWordPiece, texts: list[str]) -> tuple[list[int], list[int], list[int]]:

@@ -275,6 +275,26 @@ def test_remembered_words_stay_bounded(monkeypatch: pytest.MonkeyPatch, embedder
     assert any(later < earlier for earlier, later in pairwise(sizes))  # it was cleared
 
 
+def test_a_text_with_control_characters_does_not_slow_the_rest_of_its_batch(
+    monkeypatch: pytest.MonkeyPatch, embedder: Embedder
+) -> None:
+    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    assert fast is not None
+    texts = sample_texts(60)
+    texts[7] = "form\x0cfeed " + texts[7]
+    texts[41] = texts[41] + " bell\x07"
+    expected = [e.ids for e in rust(embedder).encode_batch(texts, add_special_tokens=True)]
+    alone: list[str] = []
+    encode = fast.encode
+    monkeypatch.setattr(fast, "encode", lambda text: alone.append(text) or encode(text))
+    ids, _, others = wordpiece.encode_taken(fast, texts)
+    assert (ids, others, alone) == (expected, [], [texts[7], texts[41]])
+    alone.clear()
+    flat, offsets, _, others = wordpiece.encode_taken_flat(fast, texts)
+    assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == expected
+    assert (others, alone) == ([], [texts[7], texts[41]])
+
+
 def _with(tokenizer: Tokenizer, **changes: object) -> Tokenizer:
     spec = json.loads(tokenizer.to_str())
     for path, value in changes.items():
