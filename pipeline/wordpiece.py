@@ -211,21 +211,26 @@ class FastWordPiece:
             truncated += cut
         return ids, truncated
 
-    def encode_ascii_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int] | None:
+    def encode_ascii_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
         """`encode_ascii` as arrays: every text's ids end to end (int32), the offsets
         where each text's ids start (and the last ends), and how many were truncated;
-        the ends are placed in numpy, not text by text. None where a text has control
-        characters (`encode_ascii` then takes them one at a time)."""
-        if not texts:
-            return None
-        chunks = self._ascii_chunks(texts)
-        if chunks is None:
-            return None
-        # The chunks' pieces gathered from arrays (a dict lookup a chunk), not
-        # joined as Python lists: a third less CPU a text.
-        with self._table.lock:
-            pieces = self._table.pieces(chunks, self._memo_pieces)
-        return self._arrays_at_ends(pieces, len(texts))
+        the ends are placed in numpy, not text by text."""
+        chunks = self._ascii_chunks(texts) if texts else None
+        if chunks is not None:
+            # The chunks' pieces gathered from arrays (a dict lookup a chunk), not
+            # joined as Python lists: a third less CPU a text.
+            with self._table.lock:
+                pieces = self._table.pieces(chunks, self._memo_pieces)
+            return self._arrays_at_ends(pieces, len(texts))
+        # Texts with control characters go one at a time, the others still at once.
+        clean, controls = _plain_and_controls(texts, range(len(texts)))
+        alone, truncated = _encoded_alone(self, texts, controls)
+        groups = [alone]
+        if clean:
+            ids_of_clean, offsets, cut = self.encode_ascii_flat([texts[i] for i in clean])
+            groups.append((clean, ids_of_clean, offsets))
+            truncated += cut
+        return (*_merged(len(texts), groups), truncated)
 
     def _ascii_chunks(self, texts: list[str]) -> list[str] | None:
         """The texts' whitespace-delimited chunks in turn, an end mark between two
@@ -553,18 +558,12 @@ def encode_taken_flat(
     groups: list[tuple[list[int], np.ndarray, np.ndarray]] = []
     truncated = 0
     if plain:
-        taken = fast.encode_ascii_flat([texts[i] for i in plain])
-        if taken is None:  # texts with control characters go one at a time
-            plain, controls = _plain_and_controls(texts, plain)
-            single = sorted(single + controls)
-            taken = fast.encode_ascii_flat([texts[i] for i in plain])
-        if taken is not None:
-            truncated += taken[2]
-            groups.append((plain, taken[0], taken[1]))
+        plain_ids, plain_offsets, truncated = fast.encode_ascii_flat([texts[i] for i in plain])
+        groups.append((plain, plain_ids, plain_offsets))
     if single:
-        encoded = [fast.encode(texts[i]) for i in single]
-        truncated += sum(cut for _, cut in encoded)
-        groups.append((single, *_end_to_end([ids for ids, _ in encoded])))
+        alone, cut = _encoded_alone(fast, texts, single)
+        groups.append(alone)
+        truncated += cut
     ids, offsets = _merged(len(texts), groups)
     return ids, offsets, truncated, others
 
@@ -594,6 +593,16 @@ def _taken_kinds(fast: FastWordPiece, texts: list[str]) -> tuple[list[int], list
         else:
             single.append(i)
     return plain, single, others
+
+
+def _encoded_alone(
+    fast: FastWordPiece, texts: list[str], indices: list[int]
+) -> tuple[tuple[list[int], np.ndarray, np.ndarray], int]:
+    """The texts at `indices`, each encoded alone, as a group for `_merged`; and how
+    many of them were truncated."""
+    encoded = [fast.encode(texts[i]) for i in indices]
+    group = (indices, *_end_to_end([ids for ids, _ in encoded]))
+    return group, sum(cut for _, cut in encoded)
 
 
 def _end_to_end(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
