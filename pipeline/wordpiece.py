@@ -143,6 +143,23 @@ class FastWordPiece:
             self.unicode_rules()
         return self._characters is not None and self._characters.takes(text)
 
+    def handles_many(self, texts: list[str]) -> list[bool]:
+        """`handles` of each text; the non-ASCII ones' characters looked up all at
+        once (`_CharacterCheck.takes_all`), not a set a text."""
+        taken = [text.isascii() for text in texts]
+        non_ascii = [i for i, ascii in enumerate(taken) if not ascii]
+        if non_ascii:
+            if self._unicode_source is not None:
+                self.unicode_rules()
+            if self._characters is not None:
+                verdicts = self._characters.takes_all([texts[i] for i in non_ascii])
+                for i, verdict in zip(non_ascii, verdicts, strict=True):
+                    taken[i] = verdict
+        for i, text in enumerate(texts):
+            if taken[i] and "[" in text:
+                taken[i] = self._specials is not None and not self._specials.search(text)
+        return taken
+
     def unicode_rules(self) -> _UnicodeRules | None:
         """The non-ASCII rules, built and checked on first use (30 ms); None where
         the check on mixed texts found a difference (then only ASCII is taken)."""
@@ -201,7 +218,7 @@ class FastWordPiece:
         if flat is not None:
             return self._split_at_ends(flat, len(texts))
         # Texts with control characters go one at a time, the others still at once.
-        clean, controls = _plain_and_controls(texts, range(len(texts)))
+        clean, controls = _partition(texts, _has_controls)
         ids: list[list[int]] = [[]] * len(texts)
         ids_of_clean, truncated = self.encode_ascii([texts[i] for i in clean])
         for i, one in zip(clean, ids_of_clean, strict=True):
@@ -214,21 +231,44 @@ class FastWordPiece:
     def encode_ascii_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
         """`encode_ascii` as arrays: every text's ids end to end (int32), the offsets
         where each text's ids start (and the last ends), and how many were truncated;
-        the ends are placed in numpy, not text by text."""
-        chunks = self._ascii_chunks(texts) if texts else None
-        if chunks is not None:
-            # The chunks' pieces gathered from arrays (a dict lookup a chunk), not
-            # joined as Python lists: a third less CPU a text.
+        the ends are placed in numpy, not text by text. Texts with control
+        characters go one at a time, the others still at once."""
+        return self._encode_flat(texts, self._ascii_chunks, self._memo_pieces, _has_controls)
+
+    def encode_unicode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+        """`encode_ascii_flat` for texts `handles` accepts that are not ASCII: they are
+        joined, normalised and split into words at once (one regex pass, not one a
+        text), and their words' pieces gathered from arrays. A text with a NUL of its
+        own goes alone (NUL marks where a joined text ends)."""
+        rules = self.unicode
+        assert rules is not None
+        return self._encode_flat(texts, rules.joined_words, self._word_pieces, _has_end_mark)
+
+    def _encode_flat(
+        self,
+        texts: list[str],
+        keys_of: Callable[[list[str]], list[str] | None],
+        pieces_of: Callable[[str], list[int]],
+        goes_alone: Callable[[str], bool],
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The texts' ids as arrays: `keys_of` splits them, joined, into memo keys with
+        an end mark between two texts (None where one of them `goes_alone`)."""
+        keys = keys_of(texts) if texts else None
+        if keys is not None:
+            # The keys' pieces gathered from arrays (a dict lookup a key), not joined
+            # as Python lists: a third less CPU a text.
             with self._table.lock:
-                pieces = self._table.pieces(chunks, self._memo_pieces)
+                pieces = self._table.pieces(keys, pieces_of)
             return self._arrays_at_ends(pieces, len(texts))
-        # Texts with control characters go one at a time, the others still at once.
-        clean, controls = _plain_and_controls(texts, range(len(texts)))
-        alone, truncated = _encoded_alone(self, texts, controls)
+        together, by_themselves = _partition(texts, goes_alone)
+        assert by_themselves, "keys_of and goes_alone disagree"
+        alone, truncated = _encoded_alone(self, texts, by_themselves)
         groups = [alone]
-        if clean:
-            ids_of_clean, offsets, cut = self.encode_ascii_flat([texts[i] for i in clean])
-            groups.append((clean, ids_of_clean, offsets))
+        if together:
+            ids, offsets, cut = self._encode_flat(
+                [texts[i] for i in together], keys_of, pieces_of, goes_alone
+            )
+            groups.append((together, ids, offsets))
             truncated += cut
         return (*_merged(len(texts), groups), truncated)
 
@@ -254,6 +294,9 @@ class FastWordPiece:
 
     def _memo_pieces(self, chunk: str) -> list[int]:
         return self._memo.get(chunk) or self._chunk_pieces(chunk)
+
+    def _word_pieces(self, word: str) -> list[int]:
+        return self._memo.get(word) or self._pieces(word)
 
     def _arrays_at_ends(self, pieces: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray, int]:
         ends = np.flatnonzero(pieces == _END_ID)
@@ -401,13 +444,27 @@ class _UnicodeRules:
     30 times slower); `_CharacterCheck` takes only characters they serve right."""
 
     dropped: re.Pattern[str]
+    dropped_but_end: re.Pattern[str]  # `dropped` but the end mark of joined texts
     marks: re.Pattern[str] | None  # nonspacing marks, where accents are stripped
     lowercase: bool
     split: re.Pattern[str]
 
     def words(self, text: str) -> list[str]:
-        if self.dropped.search(text):
-            text = self.dropped.sub("", text)
+        return self._words(text, self.dropped)
+
+    def joined_words(self, texts: list[str]) -> list[str] | None:
+        """The words of the texts in turn, an end mark between two texts: the same
+        words as `words` of each (every rule works character by character but NFD's
+        reordering of marks, and the end mark between spaces stops that), found in
+        one pass. None where a text has an end mark of its own."""
+        joined = f" {_TEXT_END} ".join(texts)
+        if joined.count(_TEXT_END) != len(texts) - 1:
+            return None
+        return self._words(joined, self.dropped_but_end)
+
+    def _words(self, text: str, dropped: re.Pattern[str]) -> list[str]:
+        if dropped.search(text):
+            text = dropped.sub("", text)
         if self.marks is not None:
             text = self.marks.sub("", unicodedata.normalize("NFD", text))
         if self.lowercase:
@@ -428,7 +485,26 @@ class _CharacterCheck:
         self._normalize = normalize
         self._pre_tokenize = pre_tokenize
         self._taken = {chr(code) for code in range(0x80)}
+        # The same as a table by code point, to look a poll's characters up at once.
+        self._taken_codes = np.zeros(0x110000, bool)
+        self._taken_codes[:0x80] = True
         self._refused: set[str] = set()
+
+    def takes_all(self, texts: list[str]) -> list[bool]:
+        """`takes` of each text: every character looked up in numpy, and only the
+        texts with one not taken yet checked (and their new characters judged) one by
+        one. A few nanoseconds a character, against a set of each text's."""
+        joined = "".join(texts)
+        # surrogatepass: a lone surrogate (JSON allows one) is its code point here,
+        # never taken, so its text goes to `takes` (and the Rust tokenizer).
+        codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), np.uint32)
+        outside = np.flatnonzero(~self._taken_codes[codes])
+        verdicts = [True] * len(texts)
+        if len(outside):
+            ends = np.cumsum(np.fromiter(map(len, texts), np.int64, len(texts)))
+            for i in np.unique(np.searchsorted(ends, outside, side="right")).tolist():
+                verdicts[i] = self.takes(texts[i])
+        return verdicts
 
     def takes(self, text: str) -> bool:
         unseen = set(text)
@@ -446,6 +522,7 @@ class _CharacterCheck:
         ]
         if agrees:
             self._taken.add(char)
+            self._taken_codes[ord(char)] = True
         else:
             if len(self._refused) >= self.MAX_REFUSED:
                 self._refused.clear()
@@ -471,7 +548,7 @@ def _unicode_rules(spec: dict[str, Any]) -> _UnicodeRules:
     lowercase = bool(normalizer.get("lowercase"))
     strip = normalizer.get("strip_accents")
     strip_accents = lowercase if strip is None else bool(strip)
-    dropped, punctuation, marks = _bmp_classes()
+    dropped, dropped_but_end, punctuation, marks = _bmp_classes()
     cjk = ""
     if normalizer.get("handle_chinese_chars", True):
         bmp = [(first, last) for first, last in _CJK_RANGES if last <= 0xFFFF]
@@ -479,6 +556,7 @@ def _unicode_rules(spec: dict[str, Any]) -> _UnicodeRules:
     punct = _PUNCTUATION[1:-1] + punctuation
     return _UnicodeRules(
         dropped=re.compile(f"[{dropped}]"),
+        dropped_but_end=re.compile(f"[{dropped_but_end}]"),
         marks=re.compile(f"[{marks}]") if strip_accents else None,
         lowercase=lowercase,
         split=re.compile(f"[{punct}{cjk}]|[^\\s{punct}{cjk}]+"),
@@ -486,16 +564,21 @@ def _unicode_rules(spec: dict[str, Any]) -> _UnicodeRules:
 
 
 @functools.cache
-def _bmp_classes() -> tuple[str, str, str]:
+def _bmp_classes() -> tuple[str, str, str, str]:
     """Regex class bodies over the Basic Multilingual Plane: what clean_text drops
-    ("other" categories but tab, newline and carriage return; U+FFFD), punctuation,
-    nonspacing marks."""
+    ("other" categories but tab, newline and carriage return; U+FFFD), the same but
+    the end mark of joined texts, punctuation, nonspacing marks."""
     category = {chr(code): unicodedata.category(chr(code)) for code in range(0x10000)}
     dropped = [c for c, k in category.items() if k[0] == "C" and c not in "\t\n\r"]
     dropped.append("\ufffd")
     punctuation = [c for c, k in category.items() if k[0] == "P"]
     marks = [c for c, k in category.items() if k == "Mn"]
-    return _chars_class(dropped), _chars_class(punctuation), _chars_class(marks)
+    return (
+        _chars_class(dropped),
+        _chars_class(c for c in dropped if c != _TEXT_END),
+        _chars_class(punctuation),
+        _chars_class(marks),
+    )
 
 
 def _is_candidate(char: str, lowercase: bool) -> bool:
@@ -557,26 +640,32 @@ def encode_taken_flat(
     plain, single, others = _taken_kinds(fast, texts)
     groups: list[tuple[list[int], np.ndarray, np.ndarray]] = []
     truncated = 0
-    if plain:
-        plain_ids, plain_offsets, truncated = fast.encode_ascii_flat([texts[i] for i in plain])
-        groups.append((plain, plain_ids, plain_offsets))
-    if single:
-        alone, cut = _encoded_alone(fast, texts, single)
-        groups.append(alone)
-        truncated += cut
+    for indices, encode in ((plain, fast.encode_ascii_flat), (single, fast.encode_unicode_flat)):
+        if indices:
+            group_ids, group_offsets, cut = encode([texts[i] for i in indices])
+            groups.append((indices, group_ids, group_offsets))
+            truncated += cut
     ids, offsets = _merged(len(texts), groups)
     return ids, offsets, truncated, others
 
 
-def _plain_and_controls(texts: list[str], indices: Iterable[int]) -> tuple[list[int], list[int]]:
-    """The ASCII texts at `indices`: those that may be tokenized joined with others,
-    and those with control characters (each alone: BERT drops them)."""
-    plain: list[int] = []
-    controls: list[int] = []
-    for i in indices:
-        has_controls = texts[i].encode("ascii").translate(None, _PLAIN_ASCII)
-        (controls if has_controls else plain).append(i)
-    return plain, controls
+def _partition(texts: list[str], goes_alone: Callable[[str], bool]) -> tuple[list[int], list[int]]:
+    """The indices of the texts that may be tokenized joined with others, and of
+    those that go alone."""
+    together: list[int] = []
+    alone: list[int] = []
+    for i, text in enumerate(texts):
+        (alone if goes_alone(text) else together).append(i)
+    return together, alone
+
+
+def _has_controls(text: str) -> bool:
+    """An ASCII text with characters BERT drops (it cannot be split joined with others)."""
+    return bool(text.encode("ascii").translate(None, _PLAIN_ASCII))
+
+
+def _has_end_mark(text: str) -> bool:
+    return _TEXT_END in text
 
 
 def _taken_kinds(fast: FastWordPiece, texts: list[str]) -> tuple[list[int], list[int], list[int]]:
@@ -585,8 +674,8 @@ def _taken_kinds(fast: FastWordPiece, texts: list[str]) -> tuple[list[int], list
     plain: list[int] = []
     single: list[int] = []
     others: list[int] = []
-    for i, text in enumerate(texts):
-        if not fast.handles(text):
+    for i, (text, taken) in enumerate(zip(texts, fast.handles_many(texts), strict=True)):
+        if not taken:
             others.append(i)
         elif text.isascii():
             plain.append(i)

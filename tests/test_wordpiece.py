@@ -73,7 +73,7 @@ _UNICODE_ALPHABET = (
 def unicode_fuzz(count: int, seed: int = 13) -> list[str]:
     """Random mixed-language texts: runs of ASCII and of the characters above."""
     rng = random.Random(seed)
-    ascii_part = string.ascii_letters + string.digits + " ,.-'\"()\t\n"
+    ascii_part = string.ascii_letters + string.digits + " ,.-'\"()\t\n\x00\x07\x7f"
     texts = []
     for _ in range(count):
         parts = []
@@ -96,7 +96,21 @@ def equal_to_rust(fast: wordpiece.FastWordPiece, tokenizer: Tokenizer, texts: li
     ]
     assert mismatched == []
     equal_to_rust_in_batches(fast, tokenizer, [t for t in handled if t.isascii()])
+    for size in (1, 97, 2000):
+        flat_equal_to_rust(fast, [e.ids for e in expected], handled, size)
     return len(handled)
+
+
+def flat_equal_to_rust(
+    fast: wordpiece.FastWordPiece, expected: list[list[int]], texts: list[str], size: int
+) -> None:
+    """The batch path as the tokenizer process runs it (`encode_taken_flat`: ASCII and
+    non-ASCII texts, each kind joined) gives `expected`, batch by batch."""
+    for start in range(0, len(texts), size):
+        batch = texts[start : start + size]
+        flat, offsets, _, others = wordpiece.encode_taken_flat(fast, batch)
+        got = [flat[a:b].tolist() for a, b in pairwise(offsets)]
+        assert (got, others) == (expected[start : start + size], [])
 
 
 def equal_to_rust_in_batches(
@@ -170,6 +184,10 @@ def test_mixed_language_texts_equal_the_rust_tokenizers(embedder: Embedder) -> N
     assert fast is not None and fast.unicode_rules() is not None
     texts = unicode_fuzz(4000)
     texts += ["".join(texts[i : i + 40]) for i in range(0, 2000, 40)]  # past max_length
+    # Edges of the joined batch path: a NUL of a text's own (the end mark between
+    # texts), texts of nothing but dropped characters or spaces, marks alone.
+    texts += ["向量\x00检索", "é\x00", "　", "\u200b", "\u0301", "é", "a\x07向b\x7f", " 向 "]
+    texts += ["\t向\n", "向" * 600, "Ā\u0301x", "\u3000\u00a0", "ﬁ", "Σ", "ΑΣ ΣΑ"]
     handled = equal_to_rust(fast, rust(embedder), texts)
     assert handled > len(texts) // 3
     assert any(not t.isascii() for t in texts if fast.handles(t))
