@@ -36,11 +36,13 @@ import re
 import threading
 import unicodedata
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from itertools import chain, repeat
+from dataclasses import dataclass, field
+from itertools import chain, pairwise, repeat
 from typing import Any
 
 import numpy as np
+
+from pipeline.word_split import WordSplitter
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,7 @@ class FastWordPiece:
         self._specials: re.Pattern[str] | None = None
         self.unicode: _UnicodeRules | None = None
         self._characters: _CharacterCheck | None = None
+        self._splitter: WordSplitter | None = None
         # What the non-ASCII rules are built from and checked against, at the first
         # non-ASCII text: English-only work never pays for them.
         self._unicode_source: tuple[dict[str, Any], Any] | None = None
@@ -170,8 +173,9 @@ class FastWordPiece:
                 checks = _character_check(spec, rust_tokenizer)
                 if checks is not None:
                     self.unicode, self._characters = checks
+                    self._splitter = self.unicode.splitter(self._word_pieces)
                     if not _agrees(self, rust_tokenizer, _mixed_texts()):
-                        self.unicode = self._characters = None
+                        self.unicode = self._characters = self._splitter = None
                 self.forget_words()  # the samples' words are not the corpus's
         return self.unicode
 
@@ -233,44 +237,55 @@ class FastWordPiece:
         where each text's ids start (and the last ends), and how many were truncated;
         the ends are placed in numpy, not text by text. Texts with control
         characters go one at a time, the others still at once."""
-        return self._encode_flat(texts, self._ascii_chunks, self._memo_pieces, _has_controls)
+        return self._encode_flat(texts, self._ascii_joined_pieces, _has_controls)
 
     def encode_unicode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
         """`encode_ascii_flat` for texts `handles` accepts that are not ASCII: they are
-        joined, normalised and split into words at once (one regex pass, not one a
-        text), and their words' pieces gathered from arrays. A text with a NUL of its
-        own goes alone (NUL marks where a joined text ends)."""
-        rules = self.unicode
-        assert rules is not None
-        return self._encode_flat(texts, rules.joined_words, self._word_pieces, _has_end_mark)
+        joined, normalised and split into words at once (`WordSplitter`, not a regex
+        pass a text), and their words' pieces gathered from arrays. A text with a NUL
+        of its own goes alone (NUL marks where a joined text ends)."""
+        return self._encode_flat(texts, self._unicode_joined_pieces, _has_end_mark)
 
     def _encode_flat(
         self,
         texts: list[str],
-        keys_of: Callable[[list[str]], list[str] | None],
-        pieces_of: Callable[[str], list[int]],
+        joined_pieces: Callable[[list[str]], np.ndarray | None],
         goes_alone: Callable[[str], bool],
     ) -> tuple[np.ndarray, np.ndarray, int]:
-        """The texts' ids as arrays: `keys_of` splits them, joined, into memo keys with
-        an end mark between two texts (None where one of them `goes_alone`)."""
-        keys = keys_of(texts) if texts else None
-        if keys is not None:
-            # The keys' pieces gathered from arrays (a dict lookup a key), not joined
-            # as Python lists: a third less CPU a text.
-            with self._table.lock:
-                pieces = self._table.pieces(keys, pieces_of)
+        """The texts' ids as arrays: `joined_pieces` gives the texts' pieces end to end,
+        _END_ID between two texts (None where one of them `goes_alone`)."""
+        if not texts:
+            return np.zeros(0, np.int32), np.zeros(1, np.int64), 0
+        with self._table.lock:
+            pieces = joined_pieces(texts)
+        if pieces is not None:
             return self._arrays_at_ends(pieces, len(texts))
         together, by_themselves = _partition(texts, goes_alone)
-        assert by_themselves, "keys_of and goes_alone disagree"
+        assert by_themselves, "joined_pieces and goes_alone disagree"
         alone, truncated = _encoded_alone(self, texts, by_themselves)
         groups = [alone]
         if together:
             ids, offsets, cut = self._encode_flat(
-                [texts[i] for i in together], keys_of, pieces_of, goes_alone
+                [texts[i] for i in together], joined_pieces, goes_alone
             )
             groups.append((together, ids, offsets))
             truncated += cut
         return (*_merged(len(texts), groups), truncated)
+
+    def _ascii_joined_pieces(self, texts: list[str]) -> np.ndarray | None:
+        # The chunks' pieces gathered from arrays (a dict lookup a chunk), not joined
+        # as Python lists: a third less CPU a text.
+        chunks = self._ascii_chunks(texts)
+        return None if chunks is None else self._table.pieces(chunks, self._memo_pieces)[0]
+
+    def _unicode_joined_pieces(self, texts: list[str]) -> np.ndarray | None:
+        rules, splitter = self.unicode, self._splitter
+        assert rules is not None and splitter is not None
+        joined = rules.joined_normalized(texts)
+        if joined is None:
+            return None
+        words = splitter.split(joined)
+        return words.pieces(*self._table.pieces(words.runs, self._word_pieces))
 
     def _ascii_chunks(self, texts: list[str]) -> list[str] | None:
         """The texts' whitespace-delimited chunks in turn, an end mark between two
@@ -396,8 +411,11 @@ class _PieceTable:
         self._data = np.zeros(4096, np.int32)
         self._filled = 0
 
-    def pieces(self, chunks: list[str], pieces_of: Callable[[str], list[int]]) -> np.ndarray:
-        """The chunks' pieces end to end (int32); `pieces_of` gives a new chunk's."""
+    def pieces(
+        self, chunks: list[str], pieces_of: Callable[[str], list[int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks' pieces end to end (int32) and how many each has; `pieces_of`
+        gives a new chunk's."""
         if len(self._slots) >= MAX_REMEMBERED_WORDS:
             self._clear()
         slots = np.fromiter(map(self._slots.get, chunks, repeat(-1)), np.int64, len(chunks))
@@ -410,10 +428,10 @@ class _PieceTable:
         lengths = self._lengths[slots]
         ends = np.cumsum(lengths)
         if not len(ends) or not ends[-1]:
-            return np.zeros(0, np.int32)
+            return np.zeros(0, np.int32), lengths
         # Piece k of chunk i sits at starts[i] + k; out there at ends[i] - lengths[i] + k.
         shift = np.repeat(self._starts[slots] - (ends - lengths), lengths)
-        return self._data[np.arange(int(ends[-1])) + shift]
+        return self._data[np.arange(int(ends[-1])) + shift], lengths
 
     def _add(self, chunks: list[str], pieces_of: Callable[[str], list[int]]) -> None:
         found = list(map(pieces_of, chunks))
@@ -445,31 +463,41 @@ class _UnicodeRules:
 
     dropped: re.Pattern[str]
     dropped_but_end: re.Pattern[str]  # `dropped` but the end mark of joined texts
+    # By code point: characters normalisation leaves as they are but for case.
+    unchanged: np.ndarray = field(compare=False)
     marks: re.Pattern[str] | None  # nonspacing marks, where accents are stripped
     lowercase: bool
     split: re.Pattern[str]
+    alone: re.Pattern[str]  # the characters `split` makes words alone
+
+    def splitter(self, piece_of: Callable[[str], list[int]]) -> WordSplitter:
+        """`split` in numpy, for joined texts (`joined_normalized`)."""
+        return WordSplitter(self.alone, piece_of, {_TEXT_END: _END_ID})
 
     def words(self, text: str) -> list[str]:
-        return self._words(text, self.dropped)
+        return self.split.findall(self._normalized(text, self.dropped))
 
-    def joined_words(self, texts: list[str]) -> list[str] | None:
-        """The words of the texts in turn, an end mark between two texts: the same
-        words as `words` of each (every rule works character by character but NFD's
-        reordering of marks, and the end mark between spaces stops that), found in
-        one pass. None where a text has an end mark of its own."""
+    def joined_normalized(self, texts: list[str]) -> str | None:
+        """The texts normalised, an end mark between two texts (between spaces, a word
+        of its own): split, the same words as `words` of each (every rule works
+        character by character but NFD's reordering of marks, and the spaces around
+        the end mark stop that). None where a text has an end mark of its own."""
         joined = f" {_TEXT_END} ".join(texts)
         if joined.count(_TEXT_END) != len(texts) - 1:
             return None
-        return self._words(joined, self.dropped_but_end)
+        codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), np.uint32)
+        if self.unchanged[codes].all():  # most polls: three passes spared
+            return joined.lower() if self.lowercase else joined
+        return self._normalized(joined, self.dropped_but_end)
 
-    def _words(self, text: str, dropped: re.Pattern[str]) -> list[str]:
+    def _normalized(self, text: str, dropped: re.Pattern[str]) -> str:
         if dropped.search(text):
             text = dropped.sub("", text)
         if self.marks is not None:
             text = self.marks.sub("", unicodedata.normalize("NFD", text))
         if self.lowercase:
             text = text.lower()
-        return self.split.findall(text)
+        return text
 
 
 class _CharacterCheck:
@@ -555,8 +583,10 @@ def _unicode_rules(spec: dict[str, Any]) -> _UnicodeRules:
         cjk = _chars_class(chr(code) for first, last in bmp for code in range(first, last + 1))
     punct = _PUNCTUATION[1:-1] + punctuation
     return _UnicodeRules(
+        alone=re.compile(f"[{punct}{cjk}]"),
         dropped=re.compile(f"[{dropped}]"),
         dropped_but_end=re.compile(f"[{dropped_but_end}]"),
+        unchanged=_unchanged_codes(strip_accents),
         marks=re.compile(f"[{marks}]") if strip_accents else None,
         lowercase=lowercase,
         split=re.compile(f"[{punct}{cjk}]|[^\\s{punct}{cjk}]+"),
@@ -579,6 +609,29 @@ def _bmp_classes() -> tuple[str, str, str, str]:
         _chars_class(punctuation),
         _chars_class(marks),
     )
+
+
+@functools.cache
+def _unchanged_codes(strip_accents: bool) -> np.ndarray:
+    """By code point: whether normalisation leaves a character as it is but for case,
+    over the Basic Multilingual Plane (not dropped; where accents are stripped, not
+    a mark, not decomposed by NFD, not reordered by it); the end mark too."""
+    unchanged = np.zeros(0x110000, bool)
+    for code in range(0x10000):
+        char = chr(code)
+        category = unicodedata.category(char)
+        if (category[0] == "C" and char not in "\t\n\r") or char == "\ufffd":
+            continue
+        if strip_accents and (
+            category == "Mn"
+            or unicodedata.combining(char)
+            or unicodedata.normalize("NFD", char) != char
+        ):
+            continue
+        unchanged[code] = True
+    unchanged[ord(_TEXT_END)] = True
+    unchanged.flags.writeable = False  # shared by every tokenizer
+    return unchanged
 
 
 def _is_candidate(char: str, lowercase: bool) -> bool:
@@ -739,8 +792,9 @@ def for_tokenizer(rust_tokenizer: Any, max_length: int) -> FastWordPiece | None:
 
 
 def _agrees(fast: FastWordPiece, rust_tokenizer: Any, texts: Iterable[str]) -> bool:
-    """Whether the fast path's ids are the Rust tokenizer's on every text it takes,
-    text by text and, for ASCII, all at once (`encode_ascii`)."""
+    """Whether the fast path's ids are the Rust tokenizer's on every text it takes:
+    text by text, the ASCII ones all at once (`encode_ascii`), and every one at once
+    as arrays (`encode_taken_flat`)."""
     sample = [text for text in texts if fast.handles(text)]
     expected = rust_tokenizer.encode_batch(sample, add_special_tokens=True)
     for text, encoding in zip(sample, expected, strict=True):
@@ -753,6 +807,14 @@ def _agrees(fast: FastWordPiece, rust_tokenizer: Any, texts: Iterable[str]) -> b
         bool(e.overflowing) for _, e in in_ascii
     ):
         log.warning("tokenizer: the fast path differs on ASCII texts taken together; not used")
+        return False
+    flat, offsets, truncated, others = encode_taken_flat(fast, sample)
+    if (
+        others
+        or [flat[a:b].tolist() for a, b in pairwise(offsets.tolist())] != [e.ids for e in expected]
+        or truncated != sum(bool(e.overflowing) for e in expected)
+    ):
+        log.warning("tokenizer: the fast path differs on texts taken together as arrays; not used")
         return False
     return True
 
