@@ -684,12 +684,13 @@ def encode_taken(fast: FastWordPiece, texts: list[str]) -> tuple[list[list[int]]
 
 
 def encode_taken_flat(
-    fast: FastWordPiece, texts: list[str]
+    fast: FastWordPiece, texts: list[str], rust_tokenizer: Any = None
 ) -> tuple[np.ndarray, np.ndarray, int, list[int]]:
     """`encode_taken` as arrays: every text's ids end to end (int32), the offsets
     where each starts (and the last ends), truncated and others (their ids empty).
-    The plain ASCII texts' ids are placed in numpy (`FastWordPiece.encode_ascii_flat`),
-    without a list of ids a text."""
+    The texts' ids are placed in numpy (`FastWordPiece.encode_ascii_flat`,
+    `encode_unicode_flat`), without a list of ids a text. With the Rust tokenizer
+    `fast` was built from, the others are tokenized with it here (none are left)."""
     plain, single, others = _taken_kinds(fast, texts)
     groups: list[tuple[list[int], np.ndarray, np.ndarray]] = []
     truncated = 0
@@ -698,6 +699,11 @@ def encode_taken_flat(
             group_ids, group_offsets, cut = encode([texts[i] for i in indices])
             groups.append((indices, group_ids, group_offsets))
             truncated += cut
+    if others and rust_tokenizer is not None:
+        encodings = rust_tokenizer.encode_batch([texts[i] for i in others], add_special_tokens=True)
+        groups.append((others, *_end_to_end([e.ids for e in encodings])))
+        truncated += sum(bool(e.overflowing) for e in encodings)
+        others = []
     ids, offsets = _merged(len(texts), groups)
     return ids, offsets, truncated, others
 

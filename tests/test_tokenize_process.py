@@ -36,10 +36,13 @@ from tests.test_wordpiece import _SPECIALS, ascii_fuzz, unicode_fuzz
 
 
 def child_ids(embedder: Embedder, child: TokenizerProcess, texts: list[str]) -> tuple[list, int]:
-    """What the worker does with a poll's texts: the child's ids, the rest in-process."""
+    """What the worker does with a poll's texts: the child's ids, the rest in-process
+    (none: the child tokenizes what its fast path leaves with the Rust tokenizer,
+    off the poll loop)."""
     texts = embedder.prompted(texts)
     child.submit(texts)
     ids, truncated, others = child.result()
+    assert others == []
     return ids, truncated + embedder.encode_others(texts, ids, others)
 
 
@@ -53,7 +56,7 @@ def test_the_child_gives_the_ids_the_worker_would(embedder: Embedder) -> None:
             prose,
             long,
             ascii_fuzz(500),  # control characters: the child's one-at-a-time path
-            unicode_fuzz(500),  # some left to the Rust tokenizer (others)
+            unicode_fuzz(500),  # some left to the Rust tokenizer, in the child
             [f"a {special} b" for special in _SPECIALS],
             [],
         ]
