@@ -666,15 +666,17 @@ def _escape(char: str) -> str:
 
 
 def encode_taken(fast: FastWordPiece, texts: list[str]) -> tuple[list[list[int]], int, list[int]]:
-    """(ids, truncated, others): the ids of every text `fast` takes, ASCII ones all at
-    once; `others` are the indices of the texts it leaves to the Rust tokenizer (their
+    """(ids, truncated, others): the ids of every text `fast` takes, each kind (ASCII,
+    not) all at once; `others` are the indices of the texts it leaves to the Rust tokenizer (their
     ids here are empty)."""
     plain, single, others = _taken_kinds(fast, texts)
     ids: list[list[int]] = [[]] * len(texts)
     truncated = 0
-    for i in single:
-        ids[i], cut = fast.encode(texts[i])
-        truncated += cut
+    if single:
+        # Joined and split in numpy (a third of the CPU of `encode` a text), then lists.
+        flat, offsets, truncated = fast.encode_unicode_flat([texts[i] for i in single])
+        for i, (start, end) in zip(single, pairwise(offsets.tolist()), strict=True):
+            ids[i] = flat[start:end].tolist()
     if plain:
         plain_ids, plain_truncated = fast.encode_ascii([texts[i] for i in plain])
         for i, one in zip(plain, plain_ids, strict=True):
