@@ -691,8 +691,11 @@ def compact(output: Path, target_mb: int, dry_run: bool, as_json: bool) -> None:
     import json
 
     from sinks.compaction import compact as compact_output
+    from sinks.compaction import settle
 
     report = compact_output(output, target_bytes=target_mb << 20, dry_run=dry_run)
+    if not dry_run and isinstance(output, Path):
+        settle(output)  # the old files go once readers listing them are done (seconds)
     if as_json:
         click.echo(json.dumps(dict(report.as_dict(), dry_run=dry_run), indent=1, sort_keys=True))
         return

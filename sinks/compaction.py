@@ -17,8 +17,11 @@ every row once:
    `vectors/` is built beside the current one: hard links of every file but the
    sources, the merged files, and the fences of the merged ranges;
 3. one `renameat2(RENAME_EXCHANGE)` swaps it in: the commit point;
-4. the old directory (now at the side) and the staging directory are removed;
-   a later run removes what a crash left of them.
+4. the staging directory is removed; the old directory, now at the side, is
+   kept there for RETIRED_GRACE_S (a reader may still be listing it: see
+   sinks.vectors_swap) and removed by a later run once that long has passed,
+   or by `settle` (`pipeline compact` waits for it); a later run also removes
+   what a crash left.
 
 Offsets stay recoverable: the merged file covers exactly its sources' range,
 so where each partition ends, and so where a restarted worker starts, does not
@@ -57,7 +60,14 @@ from sinks.segments import (
     info_from_metadata,
     segment_metadata,
 )
-from sinks.vectors_swap import VectorsLock, exchange, link_tree, write_fences
+from sinks.vectors_swap import (
+    GENERATION_FILE,
+    VectorsLock,
+    exchange,
+    link_tree,
+    write_fences,
+    write_generation,
+)
 from sinks.writers import WRITER
 
 log = logging.getLogger(__name__)
@@ -75,6 +85,10 @@ _READ_BATCH_ROWS = 4096
 _COMPACTOR_LOCK = ".compact.lock"
 _STAGING = ".compact-"
 _NEXT = ".vectors.next-"
+_RETIRED = ".vectors.retired-"
+# How long a swapped-aside vectors/ stays for readers listing it at the exchange
+# (a listing takes milliseconds; this covers a reader descheduled midway).
+RETIRED_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +156,7 @@ def _compact(
     report = CompactionReport()
     with _only_compactor(output):
         _remove_leftovers(output)
+        _remove_retired(output, RETIRED_GRACE_S)
         segments = segments_by_partition(output)
         report.files_before = sum(len(s) for s in segments.values())
         runs = [
@@ -274,6 +289,7 @@ def _swap_in(
 ) -> None:
     current = vectors_dir(output)
     upcoming = output / f"{_NEXT}{WRITER}"
+    own_generation = current / GENERATION_FILE
     with VectorsLock(output).exclusive():
         live = [run for run in runs if all(i.file.path.exists() for i in run.sources)]
         for run in runs:
@@ -282,16 +298,49 @@ def _swap_in(
         if not live:
             return
         sources = {info.file.path for run in live for info in run.sources}
-        link_tree(current, upcoming, sources)
+        link_tree(current, upcoming, sources | {own_generation})
         for run in live:
             os.link(staging / run.name, upcoming / run.name)
         for key in {run.key for run in live}:
             write_fences(upcoming, *key, _merged_ranges(key, segments, live))
+        write_generation(upcoming)
         fsync_dir(upcoming)
         exchange(current, upcoming)
         fsync_dir(output)
     report.runs = len(live)
-    shutil.rmtree(upcoming, ignore_errors=True)  # the old vectors/, swapped aside
+    # The old vectors/, swapped aside: kept a while for readers still listing it.
+    os.rename(upcoming, output / f"{_RETIRED}{time.time_ns():020d}-{WRITER}")
+
+
+def settle(output: Path, should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Removes the old directories compactions swapped aside, once each has been
+    aside RETIRED_GRACE_S (waiting for that, unless `should_stop`)."""
+    while True:
+        youngest = max(map(_retired_at, _retired(output)), default=None)
+        left = 0.0 if youngest is None else RETIRED_GRACE_S - (time.time() - youngest)
+        if left <= 0 or should_stop():
+            break
+        time.sleep(min(left, 0.1))
+    _remove_retired(output, RETIRED_GRACE_S)
+
+
+def _retired(output: Path) -> list[Path]:
+    return [p for p in output.iterdir() if p.name.startswith(_RETIRED) and p.is_dir()]
+
+
+def _retired_at(path: Path) -> float:
+    """When a directory was swapped aside (its name says), in seconds since the epoch."""
+    try:
+        return int(path.name[len(_RETIRED) :].split("-")[0]) / 1e9
+    except ValueError:
+        return 0.0  # not named by us: old enough
+
+
+def _remove_retired(output: Path, older_than_s: float) -> None:
+    now = time.time()
+    for path in _retired(output):
+        if now - _retired_at(path) >= older_than_s:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _merged_ranges(

@@ -16,7 +16,12 @@ thousands of files). Neither waits without a deadline.
 A reader that listed the directory before an exchange and opens a merged-away
 file after it gets FileNotFoundError (never a wrong answer: the merged file has
 a name the old listing did not have); our readers detect the exchange and read
-again (see `read_consistently`).
+again (see `read_consistently`). The old directory is kept aside a while after
+the exchange (`sinks.compaction.RETIRED_GRACE_S`), not removed at once: a reader
+still listing it would otherwise miss the entries removed under it, and then
+open the rest, by name, in the new directory: rows missing, without an error.
+Each `vectors/` a compaction builds holds a token of its own (`.generation`),
+so that an exchange is seen even where a directory's inode number was reused.
 
 Compacted segments are named by their range, `<first>-<last>.parquet`, so a
 writer that stalled past a rebalance cannot publish a name inside a merged
@@ -34,6 +39,7 @@ import json
 import os
 import platform
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +52,7 @@ T = TypeVar("T")
 
 LOCK_FILE = ".vectors.lock"
 FENCE_DIR = ".compacted"
+GENERATION_FILE = ".generation"
 # How long a writer waits for a compaction's exchange, and a compaction for
 # writers between two files: both take milliseconds when things are well.
 WRITER_WAIT_S = 120.0
@@ -176,12 +183,30 @@ def read_consistently(output: Output, read: Callable[[], T], attempts: int = 5) 
     return read()
 
 
-def _identity(output: Path) -> tuple[int, int] | None:
+def write_generation(directory: Path) -> None:
+    """A token no other `vectors/` holds, in one a compaction is about to swap in."""
+    (directory / GENERATION_FILE).write_text(uuid.uuid4().hex)
+
+
+def _identity(output: Path) -> tuple[int, int, str | None] | None:
+    """Which `vectors/` the path names now: its inode and, read through the same
+    open directory, its token (inode numbers are reused once a directory is gone)."""
     try:
-        st = vectors_dir(output).stat()
+        fd = os.open(vectors_dir(output), os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         return None
-    return (st.st_dev, st.st_ino)
+    try:
+        st = os.fstat(fd)
+        try:
+            with open(
+                GENERATION_FILE, opener=lambda name, flags: os.open(name, flags, dir_fd=fd)
+            ) as fh:
+                token: str | None = fh.read()
+        except FileNotFoundError:
+            token = None  # never compacted
+    finally:
+        os.close(fd)
+    return (st.st_dev, st.st_ino, token)
 
 
 # -- fences of merged ranges ---------------------------------------------------------
