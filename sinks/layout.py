@@ -31,6 +31,7 @@ sinks.segments, which read either.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -46,6 +47,9 @@ INDEX_DIR = "index"
 QUARANTINE_DIR = "quarantine"
 INDEX_META_FILE = "index.json"
 TMP_SUFFIX = ".tmp"
+# In each vectors/ a compaction swaps in: a token no other holds (sinks.vectors_swap).
+GENERATION_FILE = ".generation"
+_LIST_ATTEMPTS = 5
 _NAME = re.compile(
     r"^(?P<topic>.+)-p(?P<partition>\d{5})-(?P<first>\d{20})(?:-(?P<last>\d{20}))?\.parquet$"
 )
@@ -149,8 +153,41 @@ def iter_segments(output: Output) -> Iterator[SegmentFile]:
     directory = vectors_dir(output)
     if not directory.is_dir():
         return
-    found = (SegmentFile.parse(path) for path in directory.iterdir())
+    found = (SegmentFile.parse(directory / name) for name in _names(directory))
     yield from sorted(s for s in found if s is not None)
+
+
+def _names(directory: Path) -> list[str]:
+    """The directory's entries, listed again where a compaction swapped it out
+    during the listing: the old one's entries may go from under a listing of it,
+    and where a partition's output ends must not be read from part of a listing."""
+    for _ in range(_LIST_ATTEMPTS):
+        before = directory_identity(directory)
+        names = os.listdir(directory)
+        if directory_identity(directory) == before:
+            break
+    return names
+
+
+def directory_identity(directory: Path) -> tuple[int, int, str | None] | None:
+    """Which directory the path names now: its inode and, read through the same open
+    directory, its compaction token (inode numbers are reused once one is gone)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        try:
+            token_fd = os.open(GENERATION_FILE, os.O_RDONLY, dir_fd=fd)
+        except FileNotFoundError:
+            return (st.st_dev, st.st_ino, None)  # never compacted
+        try:
+            return (st.st_dev, st.st_ino, os.read(token_fd, 64).decode())
+        finally:
+            os.close(token_fd)
+    finally:
+        os.close(fd)
 
 
 def segments_by_partition(

@@ -46,13 +46,19 @@ from pathlib import Path
 from typing import IO, TypeVar
 
 from pipeline.errors import OutputError
-from sinks.layout import VECTORS_DIR, Output, SegmentKey, vectors_dir
+from sinks.layout import (
+    GENERATION_FILE,
+    VECTORS_DIR,
+    Output,
+    SegmentKey,
+    directory_identity,
+    vectors_dir,
+)
 
 T = TypeVar("T")
 
 LOCK_FILE = ".vectors.lock"
 FENCE_DIR = ".compacted"
-GENERATION_FILE = ".generation"
 # How long a writer waits for a compaction's exchange, and a compaction for
 # writers between two files: both take milliseconds when things are well.
 WRITER_WAIT_S = 120.0
@@ -189,24 +195,7 @@ def write_generation(directory: Path) -> None:
 
 
 def _identity(output: Path) -> tuple[int, int, str | None] | None:
-    """Which `vectors/` the path names now: its inode and, read through the same
-    open directory, its token (inode numbers are reused once a directory is gone)."""
-    try:
-        fd = os.open(vectors_dir(output), os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return None
-    try:
-        st = os.fstat(fd)
-        try:
-            with open(
-                GENERATION_FILE, opener=lambda name, flags: os.open(name, flags, dir_fd=fd)
-            ) as fh:
-                token: str | None = fh.read()
-        except FileNotFoundError:
-            token = None  # never compacted
-    finally:
-        os.close(fd)
-    return (st.st_dev, st.st_ino, token)
+    return directory_identity(vectors_dir(output))
 
 
 # -- fences of merged ranges ---------------------------------------------------------

@@ -218,6 +218,30 @@ def test_a_reader_listing_during_an_exchange_still_finds_every_file(out: Output)
     assert not [p for p in out.root.iterdir() if p.name.startswith(".vectors.retired-")]
 
 
+def test_a_segment_listing_across_an_exchange_is_taken_again(
+    out: Output, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a partition's output ends (a worker's start) is never read from a listing
+    an exchange cut short."""
+    fill(out, partitions=1, segments=6)
+    real_listdir = os.listdir
+    cut_short: list[str] = []
+
+    def listing_then_exchange(path: os.PathLike[str] | str = ".") -> list[str]:
+        names = real_listdir(path)
+        if not cut_short and Path(path) == vectors_dir(out.root):
+            cut_short.extend(names[: len(names) // 2])  # entries removed under the listing
+            compact(out.root)  # ... as a compaction swapped the directory out
+            return cut_short
+        return names
+
+    monkeypatch.setattr(os, "listdir", listing_then_exchange)
+    listed = [s.path.name for s in iter_segments(out.root)]
+    monkeypatch.undo()
+    assert cut_short and listed == [s.path.name for s in iter_segments(out.root)]
+    assert len(listed) == 1  # the merged file, from a listing of the new directory
+
+
 def test_an_exchange_is_seen_by_its_token_not_only_the_inode(
     out: Output, monkeypatch: pytest.MonkeyPatch
 ) -> None:
