@@ -312,15 +312,13 @@ def _swap_in(
     os.rename(upcoming, output / f"{_RETIRED}{time.time_ns():020d}-{WRITER}")
 
 
-def settle(output: Path, should_stop: Callable[[], bool] = lambda: False) -> None:
+def settle(output: Path) -> None:
     """Removes the old directories compactions swapped aside, once each has been
-    aside RETIRED_GRACE_S (waiting for that, unless `should_stop`)."""
-    while True:
-        youngest = max(map(_retired_at, _retired(output)), default=None)
-        left = 0.0 if youngest is None else RETIRED_GRACE_S - (time.time() - youngest)
-        if left <= 0 or should_stop():
-            break
-        time.sleep(min(left, 0.1))
+    aside RETIRED_GRACE_S (waiting for that: seconds at most)."""
+    youngest = max(map(_retired_at, _retired(output)), default=None)
+    if youngest is not None:
+        # Clamped: a wall clock set back must not make this wait long.
+        time.sleep(min(RETIRED_GRACE_S, max(0.0, RETIRED_GRACE_S - (time.time() - youngest))))
     _remove_retired(output, RETIRED_GRACE_S)
 
 
