@@ -20,6 +20,12 @@ _UNKNOWN, _SPACE, _ALONE, _RUN = 0, 1, 2, 3
 _WHITESPACE = re.compile(r"\s")
 
 
+def code_points(text: str) -> np.ndarray:
+    """The text's code points (uint32), one a character: a lone surrogate (JSON
+    allows one) is its own code point, as in a regex, not an encoding error."""
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+
+
 @dataclass(frozen=True)
 class Words:
     """A string's words in order: each either a character alone (its piece id
@@ -62,8 +68,7 @@ class WordSplitter:
             self._kinds[ord(char)] = _ALONE
 
     def split(self, text: str) -> Words:
-        # A lone surrogate is its own code point here, as in the regex.
-        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+        codes = code_points(text)
         kinds = self._kinds[codes]
         if not kinds.all():
             self._learn(np.unique(codes[kinds == _UNKNOWN]))

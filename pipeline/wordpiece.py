@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.word_split import WordSplitter
+from pipeline.word_split import WordSplitter, code_points
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class FastWordPiece:
         self._unicode_lock = threading.Lock()
 
     def handles(self, text: str) -> bool:
-        if "[" in text and (self._specials is None or self._specials.search(text)):
+        if self._may_hold_special(text):
             return False
         if text.isascii():
             return True
@@ -159,9 +159,13 @@ class FastWordPiece:
                 for i, verdict in zip(non_ascii, verdicts, strict=True):
                     taken[i] = verdict
         for i, text in enumerate(texts):
-            if taken[i] and "[" in text:
-                taken[i] = self._specials is not None and not self._specials.search(text)
+            if taken[i] and self._may_hold_special(text):
+                taken[i] = False
         return taken
+
+    def _may_hold_special(self, text: str) -> bool:
+        """Whether the text may hold one of the added tokens (see `match_specials`)."""
+        return "[" in text and (self._specials is None or self._specials.search(text) is not None)
 
     def unicode_rules(self) -> _UnicodeRules | None:
         """The non-ASCII rules, built and checked on first use (30 ms); None where
@@ -485,8 +489,7 @@ class _UnicodeRules:
         joined = f" {_TEXT_END} ".join(texts)
         if joined.count(_TEXT_END) != len(texts) - 1:
             return None
-        codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), np.uint32)
-        if self.unchanged[codes].all():  # most polls: three passes spared
+        if self.unchanged[code_points(joined)].all():  # most polls: three passes spared
             return joined.lower() if self.lowercase else joined
         return self._normalized(joined, self.dropped_but_end)
 
@@ -522,11 +525,8 @@ class _CharacterCheck:
         """`takes` of each text: every character looked up in numpy, and only the
         texts with one not taken yet checked (and their new characters judged) one by
         one. A few nanoseconds a character, against a set of each text's."""
-        joined = "".join(texts)
-        # surrogatepass: a lone surrogate (JSON allows one) is its code point here,
-        # never taken, so its text goes to `takes` (and the Rust tokenizer).
-        codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), np.uint32)
-        outside = np.flatnonzero(~self._taken_codes[codes])
+        # A lone surrogate is never taken: its text goes to `takes` (and the Rust tokenizer).
+        outside = np.flatnonzero(~self._taken_codes[code_points("".join(texts))])
         verdicts = [True] * len(texts)
         if len(outside):
             ends = np.cumsum(np.fromiter(map(len, texts), np.int64, len(texts)))
@@ -599,8 +599,7 @@ def _bmp_classes() -> tuple[str, str, str, str]:
     ("other" categories but tab, newline and carriage return; U+FFFD), the same but
     the end mark of joined texts, punctuation, nonspacing marks."""
     category = {chr(code): unicodedata.category(chr(code)) for code in range(0x10000)}
-    dropped = [c for c, k in category.items() if k[0] == "C" and c not in "\t\n\r"]
-    dropped.append("\ufffd")
+    dropped = [c for c, k in category.items() if _is_dropped(c, k)]
     punctuation = [c for c, k in category.items() if k[0] == "P"]
     marks = [c for c, k in category.items() if k == "Mn"]
     return (
@@ -609,6 +608,12 @@ def _bmp_classes() -> tuple[str, str, str, str]:
         _chars_class(punctuation),
         _chars_class(marks),
     )
+
+
+def _is_dropped(char: str, category: str) -> bool:
+    """What clean_text drops: "other" categories but tab, newline and carriage
+    return, and U+FFFD."""
+    return (category[0] == "C" and char not in "\t\n\r") or char == "\ufffd"
 
 
 @functools.cache
@@ -620,7 +625,7 @@ def _unchanged_codes(strip_accents: bool) -> np.ndarray:
     for code in range(0x10000):
         char = chr(code)
         category = unicodedata.category(char)
-        if (category[0] == "C" and char not in "\t\n\r") or char == "\ufffd":
+        if _is_dropped(char, category):
             continue
         if strip_accents and (
             category == "Mn"
@@ -666,9 +671,9 @@ def _escape(char: str) -> str:
 
 
 def encode_taken(fast: FastWordPiece, texts: list[str]) -> tuple[list[list[int]], int, list[int]]:
-    """(ids, truncated, others): the ids of every text `fast` takes, each kind (ASCII,
-    not) all at once; `others` are the indices of the texts it leaves to the Rust tokenizer (their
-    ids here are empty)."""
+    """(ids, truncated, others): the ids of every text `fast` takes, the ASCII ones
+    joined and the non-ASCII ones joined; `others` are the indices of the texts
+    it leaves to the Rust tokenizer (their ids here are empty)."""
     plain, single, others = _taken_kinds(fast, texts)
     ids: list[list[int]] = [[]] * len(texts)
     truncated = 0
@@ -730,8 +735,8 @@ def _has_end_mark(text: str) -> bool:
 
 
 def _taken_kinds(fast: FastWordPiece, texts: list[str]) -> tuple[list[int], list[int], list[int]]:
-    """The indices of the plain ASCII texts `fast` takes, of the others it takes
-    (one at a time) and of those it leaves to the Rust tokenizer."""
+    """The indices of the ASCII texts `fast` takes, of the non-ASCII ones it takes
+    and of those it leaves to the Rust tokenizer."""
     plain: list[int] = []
     single: list[int] = []
     others: list[int] = []
