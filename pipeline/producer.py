@@ -112,6 +112,9 @@ def _jsonl(path: Path, text_field: str) -> Iterator[InputRow]:
                 if line.strip():  # a blank line is no record, not a bad one
                     yield InputRow(path, n, None, f"invalid JSON: {exc}")
                 continue
+            except RecursionError:
+                yield InputRow(path, n, None, "JSON nested too deeply (about 1,000 levels)")
+                continue
             problem = record_problem(obj, text_field)
             if problem is None:
                 yield InputRow(path, n, obj, None, raw.strip())

@@ -24,6 +24,9 @@ _NOT_PARSED = object()
 STAGE_DECODE = "decode"
 STAGE_VALIDATE = "validate"
 
+NESTED_TOO_DEEP = "NestedTooDeep"
+_TOO_DEEP_MESSAGE = "value is JSON nested too deeply to read or write back (about 1,000 levels)"
+
 
 class Source(Protocol):
     """A consumed record, as the worker reads it: kafka-python's ConsumerRecord as
@@ -88,6 +91,14 @@ class RecordParser:
     max_text_bytes: int = 65_536
 
     def parse(self, source: Source) -> GoodRecord | BadRecord:
+        try:
+            return self._parse(source)
+        except RecursionError:
+            # JSON nested past what Python's json reads or writes back (about 1,000
+            # levels; orjson stops at 1,024): a bad record, not a worker stopped on it.
+            return _bad(source, STAGE_DECODE, NESTED_TOO_DEEP, _TOO_DEEP_MESSAGE)
+
+    def _parse(self, source: Source) -> GoodRecord | BadRecord:
         value = source.value
         if value is None:
             return _bad(source, STAGE_DECODE, "Tombstone", "null value (tombstone)")

@@ -212,3 +212,27 @@ def test_values_that_are_not_objects_are_named_as_json_reads_them(value: bytes, 
     result = parse(value)
     assert isinstance(result, BadRecord) and result.error_class == "NotAnObject"
     assert result.message == f"value is a JSON {kind}"
+
+
+@pytest.mark.parametrize("depth", [500, 1_000, 1_030, 100_000])
+@pytest.mark.parametrize("where", ["value", "id", "metadata"])
+def test_json_nested_past_the_recursion_limit_is_a_bad_record(depth: int, where: str) -> None:
+    """orjson reads up to 1,024 levels, Python's json about 1,000 (each way): a value
+    nested deeper was a RecursionError that stopped the worker, on every restart."""
+    nested = b"[" * depth + b"]" * depth
+    value = {
+        "value": nested,
+        "id": b'{"text": "ok", "id": ' + nested + b"}",
+        "metadata": b'{"text": "ok", "tags": ' + nested + b"}",
+    }[where]
+    result = parse(value)
+    if depth > 1_024 or (where != "value" and depth >= 1_000):
+        assert isinstance(result, BadRecord)
+        assert (result.stage, result.error_class) == (STAGE_DECODE, "NestedTooDeep")
+        assert result.message and result.source == source(value)
+    elif where == "value":  # read: a JSON array
+        assert isinstance(result, BadRecord) and result.error_class == "NotAnObject"
+    else:  # read and written back whole
+        assert isinstance(result, GoodRecord)
+        written = result.record_id if where == "id" else result.metadata
+        assert written is not None and written.count("[") == depth

@@ -118,6 +118,9 @@ BAD_VALUES: list[tuple[str, bytes | None]] = [
     ("EmptyText", b'{"text": "   \\n\\t "}'),
     ("Tombstone", None),
     ("TextTooLarge", json.dumps({"text": "x" * 5000}).encode()),
+    # Past json's recursion limit, read (by orjson) or written back: it had stopped the worker.
+    ("NestedTooDeep", b"[" * 3000 + b"]" * 3000),
+    ("NestedTooDeep", b'{"text": "ok", "tags": ' + b"[" * 1010 + b"]" * 1010 + b"}"),
 ]
 
 
