@@ -115,6 +115,9 @@ def _jsonl(path: Path, text_field: str) -> Iterator[InputRow]:
             except RecursionError:
                 yield InputRow(path, n, None, "JSON nested too deeply (about 1,000 levels)")
                 continue
+            except ValueError as exc:  # an integer over Python's 4,300-digit limit
+                yield InputRow(path, n, None, f"unreadable JSON number: {exc}")
+                continue
             problem = record_problem(obj, text_field)
             if problem is None:
                 yield InputRow(path, n, obj, None, raw.strip())

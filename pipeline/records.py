@@ -7,6 +7,7 @@ good ones and end in the dead-letter topic with their context.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ STAGE_DECODE = "decode"
 STAGE_VALIDATE = "validate"
 
 NESTED_TOO_DEEP = "NestedTooDeep"
+NUMBER_OUT_OF_RANGE = "NumberOutOfRange"
 _TOO_DEEP_MESSAGE = "value is JSON nested too deeply to read or write back (about 1,000 levels)"
 
 
@@ -93,10 +95,14 @@ class RecordParser:
     def parse(self, source: Source) -> GoodRecord | BadRecord:
         try:
             return self._parse(source)
-        except RecursionError:
-            # JSON nested past what Python's json reads or writes back (about 1,000
-            # levels; orjson stops at 1,024): a bad record, not a worker stopped on it.
+        # Valid JSON past what Python's json reads or writes back is a bad record,
+        # not a worker stopped on it at every restart.
+        except RecursionError:  # nested past ~1,000 levels (orjson stops at 1,024)
             return _bad(source, STAGE_DECODE, NESTED_TOO_DEEP, _TOO_DEEP_MESSAGE)
+        except UnicodeError as exc:
+            return _bad(source, STAGE_DECODE, "InvalidUnicode", f"value cannot be UTF-8: {exc}")
+        except ValueError as exc:  # an integer over 4,300 digits (Python's limit)
+            return _bad(source, STAGE_DECODE, NUMBER_OUT_OF_RANGE, f"value holds {exc}")
 
     def _parse(self, source: Source) -> GoodRecord | BadRecord:
         value = source.value
@@ -150,7 +156,7 @@ class RecordParser:
         metadata = None
         if len(obj) > (self.id_field in obj) + 1:  # fields besides text and id
             rest = {k: v for k, v in obj.items() if k != self.text_field and k != self.id_field}
-            metadata = json.dumps(rest, ensure_ascii=False)
+            metadata = _metadata_json(rest)
         return GoodRecord(source, text, record_id, metadata)
 
 
@@ -176,6 +182,26 @@ def _parse_exactly(value: bytes) -> Any:
     if _LONG_DIGITS in value.translate(_ALL_DIGITS_ZERO):
         return _NOT_PARSED
     return obj
+
+
+def _metadata_json(fields: dict[str, Any]) -> str:
+    """The fields as strict JSON. NaN and infinities (which Python producers write and
+    json reads, as does 1e999) become null, as pandas writes them: strict readers
+    (JavaScript, DuckDB) refuse a `NaN` token, and the record is worth keeping."""
+    try:
+        return json.dumps(fields, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # or an integer too long to write: raised again below
+        return json.dumps(_finite(fields), ensure_ascii=False, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _encodable(obj: Any) -> bool:

@@ -104,13 +104,17 @@ def test_jsonl_reports_bad_lines_with_line_numbers(tmp_path: Path) -> None:
     assert all(r.path == path for r in result)
 
 
-def test_jsonl_nested_past_the_recursion_limit_is_a_bad_line(tmp_path: Path) -> None:
+def test_jsonl_past_pythons_json_limits_is_a_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     deep = "[" * 5000 + "]" * 5000
-    path.write_text(f'{{"text": "a"}}\n{{"text": "b", "x": {deep}}}\n{{"text": "c"}}\n')
+    long = "1" * 5000
+    path.write_text(
+        f'{{"text": "a"}}\n{{"text": "b", "x": {deep}}}\n{{"n": {long}}}\n{{"text": "c"}}\n'
+    )
     result = rows(path, "jsonl")
-    assert summary(result) == [(1, True), (2, False), (3, True)]
+    assert summary(result) == [(1, True), (2, False), (3, False), (4, True)]
     assert "nested too deeply" in (result[1].error or "")
+    assert "4300 digits" in (result[2].error or "")
 
 
 def test_jsonl_custom_text_field(tmp_path: Path) -> None:

@@ -193,7 +193,8 @@ def test_the_fast_parser_accepts_and_rejects_what_json_does(value: bytes) -> Non
         rest = {k: v for k, v in expected.items() if k != "text"}
         rest = {k: v for k, v in expected.items() if k not in ("text", "id")}
         # Integers past 64 bits kept exact (orjson would have made them floats).
-        assert result.metadata == (json.dumps(rest, ensure_ascii=False) if rest else None)
+        finite = json.loads(json.dumps(rest).replace("NaN", "null").replace("Infinity", "null"))
+        assert result.metadata == (json.dumps(finite, ensure_ascii=False) if rest else None)
         expected_id = expected.get("id")
         assert result.record_id == (None if expected_id is None else json.dumps(expected_id))
 
@@ -236,3 +237,36 @@ def test_json_nested_past_the_recursion_limit_is_a_bad_record(depth: int, where:
         assert isinstance(result, GoodRecord)
         written = result.record_id if where == "id" else result.metadata
         assert written is not None and written.count("[") == depth
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(b'{"text": "a", "n": ' + b"1" * 5000 + b"}", id="metadata"),
+        pytest.param(b'{"text": "a", "id": -' + b"9" * 4400 + b"}", id="id"),
+    ],
+)
+def test_integers_over_pythons_digit_limit_are_bad_records(value: bytes) -> None:
+    """An integer of over 4,300 digits was a ValueError that stopped the worker."""
+    result = parse(value)
+    assert isinstance(result, BadRecord)
+    assert (result.error_class, result.stage) == ("NumberOutOfRange", STAGE_DECODE)
+    assert "4300 digits" in result.message and result.source == source(value)
+
+
+def test_long_integers_within_pythons_limit_are_kept_exactly() -> None:
+    digits = "7" * 4000
+    result = parse(b'{"text": "a", "id": ' + digits.encode() + b', "n": -' + digits.encode() + b"}")
+    assert isinstance(result, GoodRecord)
+    assert result.record_id == digits
+    assert json.loads(result.metadata or "") == {"n": -int(digits)}
+
+
+def test_nan_and_infinities_are_kept_as_null_in_metadata() -> None:
+    """Python producers write NaN and Infinity (json.dumps does by default) and json
+    reads them, as it reads 1e999 as infinity: the record is kept, and its metadata
+    stays JSON that strict readers take (it had held `NaN` tokens)."""
+    result = parse(b'{"text": "a", "s": NaN, "m": {"l": [1.5, -Infinity, 1e999]}, "x": 2}')
+    assert isinstance(result, GoodRecord)
+    assert result.metadata == '{"s": null, "m": {"l": [1.5, null, null]}, "x": 2}'
+    json.loads(result.metadata, parse_constant=lambda name: pytest.fail(f"{name} written"))

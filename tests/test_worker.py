@@ -121,6 +121,7 @@ BAD_VALUES: list[tuple[str, bytes | None]] = [
     # Past json's recursion limit, read (by orjson) or written back: it had stopped the worker.
     ("NestedTooDeep", b"[" * 3000 + b"]" * 3000),
     ("NestedTooDeep", b'{"text": "ok", "tags": ' + b"[" * 1010 + b"]" * 1010 + b"}"),
+    ("NumberOutOfRange", b'{"text": "ok", "n": ' + b"1" * 5000 + b"}"),  # and this
 ]
 
 
