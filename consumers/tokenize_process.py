@@ -1,12 +1,14 @@
-"""Tokenizing in a child process, one poll ahead of the poll loop.
+"""Parsing and tokenizing in a child process, one poll ahead of the poll loop.
 
 With a fast model (a GPU, a small one) the poll loop is the worker's ceiling:
 everything it does holds the GIL, and tokenizing was a quarter of it (with it
-free, the path around the model ran 1.3x faster: scripts/overhead.py). Here a
-child process tokenizes one poll's texts while the poll loop decodes the next
-poll from Kafka, on another core. Ids come back as one int32 array and its
-offsets; each text's ids are a view of it, not a Python list (making those lists
-cost as much as half the tokenizing).
+free, the path around the model ran 1.3x faster: scripts/overhead.py), parsing the
+records' JSON a seventh. Here a child process parses one poll's record values
+(pipeline.records, the worker's own parser) and tokenizes their texts while the
+poll loop decodes the next poll from Kafka, on another core. The parses come back
+as columns (texts, ids, metadata; the bad records' reasons); the token ids as one
+int32 array and its offsets, each text's ids a view of it, not a Python list
+(making those lists cost as much as half the tokenizing).
 
 The child runs pipeline.wordpiece's fast path, rebuilt from the worker's own
 tokenizer (and checked against it at start, as in-process); the texts that path
@@ -39,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.records import BadRecord, GoodRecord, RecordParser, Source, SourceRecord
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +53,16 @@ _TICK_S = 0.05
 
 
 class TokenizerProcess:
-    """A child process that tokenizes lists of texts, one request at a time."""
+    """A child process that parses record values and tokenizes texts, one request at a
+    time. `parser` and `prompt` (put before each text tokenized) apply to values."""
 
-    def __init__(self, tokenizer_json: str, max_length: int) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        max_length: int,
+        parser: RecordParser | None = None,
+        prompt: str = "",
+    ) -> None:
         parent_end, child_end = socket.socketpair()
         self._child = subprocess.Popen(
             [sys.executable, "-c", "from consumers.tokenize_process import main; main()",
@@ -65,12 +75,19 @@ class TokenizerProcess:
         self._conn = Connection(parent_end.detach())
         self._waiting = False
         self._ready: bool | None = None  # known once the child's first answer is read
-        self._conn.send_bytes(tokenizer_json.encode())
+        setup = (tokenizer_json, parser or RecordParser(), prompt)
+        self._conn.send_bytes(pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
 
     @classmethod
-    def start(cls, tokenizer_json: str, max_length: int) -> TokenizerProcess | None:
+    def start(
+        cls,
+        tokenizer_json: str,
+        max_length: int,
+        parser: RecordParser | None = None,
+        prompt: str = "",
+    ) -> TokenizerProcess | None:
         """A ready child; None where the fast path does not apply to this tokenizer."""
-        process = cls(tokenizer_json, max_length)
+        process = cls(tokenizer_json, max_length, parser, prompt)
         return process if process.ready() else None
 
     def ready(self) -> bool:
@@ -92,26 +109,58 @@ class TokenizerProcess:
         return self._ready
 
     def submit(self, texts: list[str]) -> None:
-        assert self._ready and not self._waiting, "one request at a time, once ready"
-        try:
-            self._conn.send_bytes(pickle.dumps(texts, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError as exc:
-            raise self._gone() from exc
-        self._waiting = True
+        """Texts to tokenize as they are (prompted already): `result` answers."""
+        self._send(("texts", texts))
+
+    def submit_values(self, values: list[bytes | None]) -> None:
+        """A poll's record values to parse, then tokenize the good ones' texts after
+        the prompt: `parsed_result` answers."""
+        self._send(("values", values))
 
     def result(self) -> tuple[list[Any], int, list[int]]:
         """(ids, truncated, others) of the submitted texts, as `wordpiece.encode_taken`
         gives them, each text's ids a view of one int32 array; `others` is empty (the
         child tokenizes them too)."""
+        tokens = self._receive("ids")
+        return _views(tokens[0], tokens[1]), tokens[2], tokens[3]
+
+    def parsed_result(
+        self, sources: list[Source]
+    ) -> tuple[list[GoodRecord | BadRecord], list[Any], int]:
+        """The submitted values' records (`sources`, in the order their values were
+        submitted) as `RecordParser.parse` makes them, the good ones' token ids (as
+        `result` gives them) and how many of those were truncated."""
+        (flat, offsets, truncated, _), texts, record_ids, metadatas, bad = self._receive("parsed")
+        if not bad:
+            good_sources: list[Source] = sources
+        else:
+            reasons = {index: reason for index, *reason in bad}
+            good_sources = [s for i, s in enumerate(sources) if i not in reasons]
+        good = list(map(GoodRecord, good_sources, texts, record_ids, metadatas))
+        if not bad:
+            return good, _views(flat, offsets), truncated
+        taken = iter(good)
+        records: list[GoodRecord | BadRecord] = [
+            BadRecord(s, *reasons[i]) if i in reasons else next(taken)
+            for i, s in enumerate(sources)
+        ]
+        return records, _views(flat, offsets), truncated
+
+    def _send(self, request: tuple[str, list[Any]]) -> None:
+        assert self._ready and not self._waiting, "one request at a time, once ready"
+        try:
+            self._conn.send_bytes(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            raise self._gone() from exc
+        self._waiting = True
+
+    def _receive(self, expected: str) -> Any:
         assert self._waiting, "nothing was submitted"
         kind, detail = self._answer(ANSWER_TIMEOUT_S)
         self._waiting = False
-        if kind != "ids":
+        if kind != expected:
             raise PipelineError(f"the tokenizer process answered {kind!r}: {detail}")
-        flat, offsets, truncated, others = detail
-        bounds = offsets.tolist()
-        ids = [flat[start:end] for start, end in pairwise(bounds)]
-        return ids, truncated, others
+        return detail
 
     def close(self) -> None:
         """Ends the child (it exits when its end of the connection closes)."""
@@ -151,6 +200,11 @@ class TokenizerProcess:
         )
 
 
+def _views(flat: Any, offsets: Any) -> list[Any]:
+    bounds = offsets.tolist()
+    return [flat[start:end] for start, end in pairwise(bounds)]
+
+
 def main() -> None:
     """The child: argv = SOCKET_FD MAX_LENGTH PARENT_PID."""
     from pipeline.host import die_with_parent
@@ -179,13 +233,43 @@ def _serve(conn: Connection, max_length: int) -> None:
 
     from pipeline import wordpiece
 
-    rust_tokenizer = Tokenizer.from_str(conn.recv_bytes().decode())
+    tokenizer_json, parser, prompt = pickle.loads(conn.recv_bytes())
+    rust_tokenizer = Tokenizer.from_str(tokenizer_json)
     fast = wordpiece.for_tokenizer(rust_tokenizer, max_length)
     if fast is None:
         conn.send_bytes(pickle.dumps(("refused", "the tokenizer has no fast path")))
         return
     conn.send_bytes(pickle.dumps(("ready", None)))
     while True:
-        texts: list[str] = pickle.loads(conn.recv_bytes())
-        answer = ("ids", wordpiece.encode_taken_flat(fast, texts, rust_tokenizer))
+        kind, items = pickle.loads(conn.recv_bytes())
+        if kind == "texts":
+            answer: tuple[str, Any] = (
+                "ids",
+                wordpiece.encode_taken_flat(fast, items, rust_tokenizer),
+            )
+        else:
+            texts, record_ids, metadatas, bad = _parsed(parser, items)
+            prompted = [prompt + text for text in texts] if prompt else texts
+            tokens = wordpiece.encode_taken_flat(fast, prompted, rust_tokenizer)
+            answer = ("parsed", (tokens, texts, record_ids, metadatas, bad))
         conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _parsed(
+    parser: RecordParser, values: list[bytes | None]
+) -> tuple[list[str], list[str | None], list[str | None], list[tuple[int, str, str, str]]]:
+    """Values parsed as the worker would (pipeline.records): the good ones' fields as
+    columns, the bad ones' (index, stage, class, message)."""
+    texts: list[str] = []
+    record_ids: list[str | None] = []
+    metadatas: list[str | None] = []
+    bad: list[tuple[int, str, str, str]] = []
+    for index, value in enumerate(values):
+        parsed = parser.parse(SourceRecord("", -1, -1, -1, None, value))
+        if isinstance(parsed, GoodRecord):
+            texts.append(parsed.text)
+            record_ids.append(parsed.record_id)
+            metadatas.append(parsed.metadata)
+        else:
+            bad.append((index, parsed.stage, parsed.error_class, parsed.message))
+    return texts, record_ids, metadatas, bad

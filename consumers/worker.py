@@ -169,11 +169,9 @@ class Worker:
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
         self._tokenizer: TokenizerProcess | None = None
-        # A poll's records (and their texts, as tokenized) whose ids the tokenizer
-        # process has yet to send; at most one poll's worth.
-        self._pending: tuple[list[GoodRecord | BadRecord], list[str]] | None = None
-        # A poll's records as polled, with their parses (_poll, for _ingest).
-        self._parsed_ahead: dict[Any, tuple[list[Any], list[GoodRecord | BadRecord]]] = {}
+        # A poll's records whose parses and ids the tokenizer process has yet to
+        # send; at most one poll's worth.
+        self._pending: list[Source] | None = None
         self._committer: OffsetCommitter | None = None
         self._stages: list[Stage] = []
         self._end_targets: dict[TopicPartition, int] = {}
@@ -263,15 +261,18 @@ class Worker:
             return
         # Not waited for here: it gets ready while the group is joined.
         self._tokenizer = TokenizerProcess(
-            self.embedder.tokenizer_json(), self.embedder.info.max_length
+            self.embedder.tokenizer_json(),
+            self.embedder.info.max_length,
+            self.parser,
+            self.embedder.info.document_prompt or "",
         )
 
-    def _tokenizer_takes(self, texts: list[str]) -> bool:
-        """Whether the tokenizer process takes this poll's texts: a full poll, or 256
-        texts or more, once it is ready."""
+    def _tokenizer_takes(self, records: int) -> bool:
+        """Whether the tokenizer process takes this poll's records: a full poll, or 256
+        records or more, once it is ready."""
         if self._tokenizer is None:
             return False
-        if len(texts) < min(TOKENIZER_PROCESS_MIN_TEXTS, self.config.batch_size):
+        if records < min(TOKENIZER_PROCESS_MIN_TEXTS, self.config.batch_size):
             return False
         if self._tokenizer.ready():
             return True
@@ -465,12 +466,6 @@ class Worker:
             failure = None
         except kerrors.KafkaError as exc:
             polled, failure = {}, exc
-        # Parsed before the previous poll's ids are waited for: the tokenizer process
-        # works on those meanwhile. Which of these records are taken is still decided
-        # in _ingest, once the rebalance is applied (parsing is a pure step).
-        self._parsed_ahead = {
-            tp: (records, [self.parser.parse(r) for r in records]) for tp, records in polled.items()
-        }
         # The previous poll's records join the batcher before anything this poll
         # brought (a rebalance, a restart out of range) touches it.
         self._finish_pending()
@@ -533,51 +528,32 @@ class Worker:
     def _ingest(self, polled: dict[Any, list[Any]]) -> None:
         assert self._reader is not None
         sources: list[Source] = []
-        parsed: list[GoodRecord | BadRecord] = []
         for tp, records in polled.items():
-            taken = self._reader.accept_run((tp.topic, tp.partition), records)
-            sources += taken
-            parsed += self._parsed(tp, records, taken)
-        self._parsed_ahead = {}
+            sources += self._reader.accept_run((tp.topic, tp.partition), records)
         if not sources:
             return
         if self._tiers is not None:
             backfill = sum(1 for s in sources if s.topic in self._tiers.backfill_topics)
             self.metrics.tier_records.labels(BACKFILL).inc(backfill)
             self.metrics.tier_records.labels(NEARLINE).inc(len(sources) - backfill)
-        texts = [p.text for p in parsed if isinstance(p, GoodRecord)]
         assert self._pending is None, "the previous poll's records come first"
-        if self._tokenizer_takes(texts):
+        if self._tokenizer_takes(len(sources)):
             assert self._tokenizer is not None
-            texts = self.embedder.prompted(texts)
-            self._tokenizer.submit(texts)
-            self._pending = (parsed, texts)  # joins the batcher after the next poll
+            # Parsed and tokenized there while the next poll is decoded here.
+            self._tokenizer.submit_values([s.value for s in sources])
+            self._pending = sources  # joins the batcher after the next poll
             return
-        tokens = self.embedder.tokenize(texts)
+        parsed = [self.parser.parse(s) for s in sources]
+        tokens = self.embedder.tokenize([p.text for p in parsed if isinstance(p, GoodRecord)])
         self._add(parsed, tokens.ids, tokens.truncated)
 
-    def _parsed(
-        self, tp: TopicPartition, records: list[Any], taken: list[Any]
-    ) -> list[GoodRecord | BadRecord]:
-        """The parses of `taken`, of one partition's polled `records`, from _poll's."""
-        ahead = self._parsed_ahead.get(tp)
-        if ahead is None or ahead[0] is not records:
-            return [self.parser.parse(s) for s in taken]
-        if taken is records:
-            return ahead[1]
-        kept = {id(s) for s in taken}
-        return [p for s, p in zip(records, ahead[1], strict=True) if id(s) in kept]
-
     def _finish_pending(self) -> None:
-        """Adds the records whose ids the tokenizer process was working on."""
+        """Adds the records the tokenizer process was parsing and tokenizing."""
         if self._pending is None:
             return
         assert self._tokenizer is not None
-        parsed, texts = self._pending
-        self._pending = None
-        ids, truncated, others = self._tokenizer.result()
-        truncated += self.embedder.encode_others(texts, ids, others)
-        self._add(parsed, ids, truncated)
+        sources, self._pending = self._pending, None
+        self._add(*self._tokenizer.parsed_result(sources))
 
     def _add(
         self, parsed: list[GoodRecord | BadRecord], token_ids: list[TokenIds], truncated: int

@@ -87,6 +87,45 @@ def test_vectors_from_the_childs_ids_equal_the_in_process_ones(embedder: Embedde
     np.testing.assert_allclose(vectors, embedder.embed(texts), atol=1e-5)
 
 
+@pytest.mark.parametrize("bad_share", [0.0, 0.2])
+def test_the_child_parses_values_as_the_worker_would(embedder: Embedder, bad_share: float) -> None:
+    """Values parsed there give the records RecordParser.parse gives here (good and
+    bad, in order, on the same sources), and the good ones' ids after the prompt."""
+    import random
+
+    from tests.test_worker import BAD_VALUES
+
+    parser = RecordParser("body", "key", max_text_bytes=4096)
+    prompt = "passage: "
+    rng = random.Random(bad_share)
+    texts = [r["text"] for r in corpus_records(300)] + unicode_fuzz(100, seed=4)
+    values: list[bytes | None] = []
+    for n, text in enumerate(texts):
+        if rng.random() < bad_share:
+            values.append(rng.choice(BAD_VALUES)[1])
+        else:
+            fields = {"body": text, "key": n if n % 3 else f"k{n}", "x": [n, None, 1.5]}
+            values.append(json.dumps(fields, ensure_ascii=False).encode())
+    sources = [SourceRecord("t", 1, n, 0, None, v) for n, v in enumerate(values)]
+    child = TokenizerProcess.start(
+        embedder.tokenizer_json(), embedder.info.max_length, parser, prompt
+    )
+    assert child is not None
+    try:
+        child.submit_values(values)
+        records, ids, truncated = child.parsed_result(sources)
+    finally:
+        child.close()
+    expected = [parser.parse(s) for s in sources]
+    assert records == expected
+    assert all(r.source is s for r, s in zip(records, sources, strict=True))
+    good = [r.text for r in expected if isinstance(r, GoodRecord)]
+    assert (bad_share == 0) == (len(good) == len(values))
+    want = embedder.tokenize(embedder.prompted(good, prompt))
+    assert [list(map(int, one)) for one in ids] == want.ids
+    assert truncated == want.truncated
+
+
 def test_a_tokenizer_without_the_fast_path_is_refused() -> None:
     other = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     other.normalizer = normalizers.Lowercase()
