@@ -41,7 +41,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.records import BadRecord, GoodRecord, RecordParser, Source, SourceRecord
+from pipeline.records import (
+    BadRecord,
+    GoodRecord,
+    RecordParser,
+    Source,
+    SourceRecord,
+    good_records,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +143,7 @@ class TokenizerProcess:
         else:
             reasons = {index: reason for index, *reason in bad}
             good_sources = [s for i, s in enumerate(sources) if i not in reasons]
-        good = list(map(GoodRecord, good_sources, texts, record_ids, metadatas))
+        good = good_records(good_sources, texts, record_ids, metadatas)
         if not bad:
             return good, _views(flat, offsets), truncated
         taken = iter(good)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -68,12 +70,28 @@ class SourceRecord:
     value: bytes | None
 
 
-@dataclass(slots=True)
-class GoodRecord:
+class GoodRecord(NamedTuple):
+    """A record to embed. A tuple: made in bulk from a tokenizer process's columns
+    (`good_records`) at a tenth of a dataclass's cost (1.3 µs a record of the poll
+    loop's GIL with a tiny model)."""
+
     source: Source
     text: str
     record_id: str | None
     metadata: str | None  # the other JSON fields, re-serialised
+
+
+_new_good_record = partial(tuple.__new__, GoodRecord)
+
+
+def good_records(
+    sources: Iterable[Source],
+    texts: Iterable[str],
+    record_ids: Iterable[str | None],
+    metadatas: Iterable[str | None],
+) -> list[GoodRecord]:
+    """GoodRecords from columns, without a Python call a record."""
+    return list(map(_new_good_record, zip(sources, texts, record_ids, metadatas, strict=True)))
 
 
 @dataclass(slots=True)

@@ -8,17 +8,15 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from kafka import TopicPartition
 
 from consumers.partitions import Change, Listener, Ownership, Reader
-from consumers.worker import Worker
 from pipeline.config import KafkaSettings
 from pipeline.embedder import ModelInfo
-from pipeline.records import GoodRecord, RecordParser, SourceRecord
+from pipeline.records import GoodRecord, SourceRecord
 from sinks.layout import SegmentKey, quarantine_dir, vectors_dir
 from sinks.parquet import ParquetSink
 from sinks.segments import START_FROM_COMMITTED
@@ -173,32 +171,6 @@ def test_a_polled_run_keeps_only_records_at_or_past_the_next_offset(world) -> No
     assert reader.accept_run((T, 0), again) == []  # fetched twice
     assert reader.accept_run((T, 9), run) == [] and reader.accept_run((T, 0), []) == []
     assert not reader.accept((T, 0), 6) and reader.accept((T, 0), 7)
-
-
-def test_the_worker_takes_the_parses_of_exactly_the_records_a_run_keeps(world) -> None:
-    """The worker parses a poll's records before the rebalance is applied (while the
-    tokenizer process works on the previous poll) and takes those of the records
-    accept_run keeps: the whole run, a part of it, or, for a run it did not parse
-    ahead (another list), parses afresh."""
-    consumer, ownership, reader = world
-    assign(consumer, ownership, 0)
-    reader.apply()
-    tp = TopicPartition(T, 0)
-    values = [b'{"text": "a", "id": "%d"}' % o for o in range(7)]
-    run = [SourceRecord(T, 0, o, 0, None, values[o]) for o in range(4)]
-    again = [SourceRecord(T, 0, o, 0, None, values[o]) for o in range(2, 7)]
-    parser = RecordParser()
-    for records, expected_ids in ((run, ["0", "1", "2", "3"]), (again, ["4", "5", "6"])):
-        worker = SimpleNamespace(
-            parser=parser, _parsed_ahead={tp: (records, [parser.parse(r) for r in records])}
-        )
-        taken = reader.accept_run((T, 0), records)
-        parsed = Worker._parsed(worker, tp, records, taken)  # type: ignore[arg-type]
-        assert [p.record_id for p in parsed] == expected_ids
-        assert [p.source for p in parsed] == taken
-    stale = SimpleNamespace(parser=parser, _parsed_ahead={tp: (list(run), [])})
-    fresh = Worker._parsed(stale, tp, run, run)  # type: ignore[arg-type]
-    assert [p.record_id for p in fresh] == ["0", "1", "2", "3"]
 
 
 def test_a_fence_stops_publishing_and_restarts_where_the_outputs_now_end(
