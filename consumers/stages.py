@@ -17,6 +17,8 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -270,14 +272,17 @@ class WriteStage(Stage):
         self.ownership.fence(key, batch.epochs[key])
 
     def _stage(self, batch: MicroBatch, vectors: np.ndarray) -> list[StagedFile]:
+        # A batch holds runs of one partition's records (a poll's, in order): grouped
+        # a run at a time, without a Python call a record.
+        keys = list(map(_source_key, batch.good))
         by_partition: dict[TopicPartitionKey, list[int]] = defaultdict(list)
-        for i, record in enumerate(batch.good):
-            by_partition[_key(record)].append(i)
+        for key, run in groupby(range(len(keys)), keys.__getitem__):
+            by_partition[key].extend(run)
         bad = Counter(_key(b) for b in batch.bad)
         staged = []
         for key, (first, last) in sorted(batch.ranges.items()):
             rows = by_partition.get(key, [])
-            records: list[GoodRecord] = [batch.good[i] for i in rows]
+            records: list[GoodRecord] = list(map(batch.good.__getitem__, rows))
             staged.append(
                 self.parquet.stage(
                     SegmentKey(key[0], key[1], first),
@@ -293,6 +298,9 @@ class WriteStage(Stage):
 
 def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
     return (record.source.topic, record.source.partition)
+
+
+_source_key = attrgetter("source.topic", "source.partition")  # _key, for map()
 
 
 class CompactStage(Stage):
