@@ -99,8 +99,9 @@ class ModelInfo:
         }
 
 
-# One text's token ids: a list, or a view of an int32 array (consumers.tokenize_process).
-TokenIds = list[int] | np.ndarray
+# One text's token ids: a list, an int32 memoryview (consumers.tokenize_process) or
+# an array.
+TokenIds = list[int] | memoryview | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,13 @@ class Tokenized:
     @property
     def total_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    @functools.cached_property
+    def flat(self) -> tuple[np.ndarray, np.ndarray]:
+        """(every text's ids end to end, where each text's start): made once a batch,
+        so that a forward pass gathers its rows in numpy, not a text at a time."""
+        starts = np.cumsum(self.lengths) - self.lengths
+        return _end_to_end(self.ids, int(self.lengths.sum())), starts
 
 
 @dataclass
@@ -470,9 +478,11 @@ class Embedder:
         trim_from = TRIM_AFTER_BYTES // self._activation_bytes_per_token
         trim = self.info.device == "cpu"
 
+        flat, starts = tokens.flat
+
         def run(one: Pass) -> None:
             rows = order[one.rows]
-            out[rows] = self._forward([tokens.ids[i] for i in rows], one.width)
+            out[rows] = self._forward(flat, starts[rows], tokens.lengths[rows], one.width)
             if trim and one.computed_tokens >= trim_from:
                 # A batch's passes free and allocate activations of many sizes; kept
                 # by the allocator until the batch ends, they added 150-250 MB.
@@ -485,15 +495,18 @@ class Embedder:
         stats.seconds = time.perf_counter() - started
         return out, stats
 
-    def _forward(self, rows: list[TokenIds], width: int) -> np.ndarray:
+    def _forward(
+        self, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int
+    ) -> np.ndarray:
+        """Vectors of the texts whose ids are flat[start:start + length], padded to width."""
         import torch
 
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        # Filled all at once (row-major order is the rows' order): a row at a time
+        # Gathered all at once (row-major order is the rows' order): a row at a time
         # cost a few µs of the GIL per text.
-        real = np.arange(width) < lengths[:, None]
-        ids = np.full((len(rows), width), self._pad_id, dtype=np.int64)
-        ids[real] = _concatenated(rows, int(lengths.sum()))
+        columns = np.arange(width)
+        real = columns < lengths[:, None]
+        ids = np.full((len(lengths), width), self._pad_id, dtype=np.int64)
+        ids[real] = flat[(starts[:, None] + columns)[real]]
         input_ids, attention = torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64))
         if self.info.device == "cuda":
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
@@ -513,12 +526,15 @@ class Embedder:
         return pooled.cpu().numpy()
 
 
-def _concatenated(rows: list[TokenIds], total: int) -> np.ndarray:
-    """The rows' ids end to end: lists (tokenized here) or arrays (views of what a
-    tokenizer process sent back, consumers.tokenize_process), or both."""
-    if all(type(row) is list for row in rows):
+def _end_to_end(rows: list[TokenIds], total: int) -> np.ndarray:
+    """The rows' ids end to end: lists (tokenized here), int32 memoryviews (of what a
+    tokenizer process sent back: joined as bytes, one C call), arrays, or a mix."""
+    kinds = set(map(type, rows))
+    if kinds == {memoryview}:
+        return np.frombuffer(b"".join(rows), np.int32)  # type: ignore[arg-type]
+    if kinds <= {list}:
         return np.fromiter(chain.from_iterable(rows), np.int64, total)
-    return np.concatenate(rows)  # int32 views: widened as they are placed
+    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows] or [[]])
 
 
 def _encoder_choice(encoder: str | None) -> str:

@@ -87,6 +87,18 @@ def test_duplicate_texts_get_identical_vectors(embedder: Embedder) -> None:
     assert cosines(vectors[:1], vectors[2:]).item() > 0.99999
 
 
+def test_a_batch_of_mixed_token_id_kinds_embeds_as_lists_do(embedder: Embedder) -> None:
+    """A batch joins polls tokenized here (lists) and in the tokenizer process (int32
+    memoryviews), or arrays: gathered end to end, the vectors are the same."""
+    lists = embedder.tokenize(["short", "a longer text with more words in it", "mid size one"])
+    as_lists, _ = embedder.embed_tokens(lists)
+    views = [memoryview(np.asarray(ids, dtype=np.int32)) for ids in lists.ids]
+    arrays = [np.asarray(ids, dtype=np.int64) for ids in lists.ids]
+    for rows in (views, arrays, [lists.ids[0], views[1], arrays[2]]):
+        mixed, _ = embedder.embed_tokens(Tokenized(rows, lists.lengths, 0))
+        np.testing.assert_array_equal(mixed, as_lists)
+
+
 def test_empty_batch(embedder: Embedder) -> None:
     tokens = Tokenized([], np.empty(0, dtype=np.int64), 0)
     vectors, stats = embedder.embed_tokens(tokens)
