@@ -14,14 +14,11 @@ records), which may give a batch ranges and no records at all.
 
 from __future__ import annotations
 
-import bisect
 import enum
 import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import accumulate, groupby
-from operator import attrgetter
 
 import numpy as np
 
@@ -99,46 +96,6 @@ def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
     return (record.source.topic, record.source.partition)
 
 
-_source_key = attrgetter("source.topic", "source.partition")  # _key, for map()
-_source_offset = attrgetter("source.offset")
-_source_value = attrgetter("source.value")
-
-
-@dataclass(frozen=True)
-class _GoodRun:
-    """A poll's good records as columns: their ids, partitions and offsets, and the
-    running totals of their tokens and value bytes (all made by C-level maps)."""
-
-    records: list[GoodRecord]
-    ids: list[TokenIds]
-    keys: list[TopicPartitionKey]
-    offsets: list[int]
-    run_ends: list[int]  # where each partition's run ends (ascending; the last is len)
-    tokens: np.ndarray  # cumulative
-    bytes: np.ndarray  # cumulative
-
-    @classmethod
-    def of(cls, pairs: list[tuple[GoodRecord | BadRecord, TokenIds | None]]) -> _GoodRun | None:
-        """The pairs as a run; None where any is a bad record."""
-        if not pairs:
-            return None
-        records, ids = map(list, zip(*pairs, strict=True))
-        if set(map(type, records)) != {GoodRecord}:
-            return None
-        count = len(records)
-        keys = list(map(_source_key, records))
-        run_lengths = (len(list(run)) for _, run in groupby(keys))
-        return cls(
-            records,
-            ids,
-            keys,
-            list(map(_source_offset, records)),
-            list(accumulate(run_lengths)),
-            np.cumsum(np.fromiter(map(len, ids), np.int64, count)),
-            np.cumsum(np.fromiter(map(len, map(_source_value, records)), np.int64, count)),
-        )
-
-
 def _size(record: GoodRecord | BadRecord) -> int:
     return len(record.source.value or b"")
 
@@ -199,72 +156,12 @@ class Batcher:
         at a time, which is what a poll hands over."""
         pairs = parsed if isinstance(parsed, list) else list(parsed)
         closed: list[MicroBatch] = []
-        good_run = _GoodRun.of(pairs)
         start = 0
         while start < len(pairs):
-            if good_run is not None:
-                start, reason = self._fill_good(good_run, start, epoch_of)
-            else:
-                start, reason = self._fill(pairs, start, epoch_of)
+            start, reason = self._fill(pairs, start, epoch_of)
             if reason is not None:
                 closed.append(self._close(reason))
         return closed
-
-    def _fill_good(
-        self, run: _GoodRun, start: int, epoch_of: Callable[[TopicPartitionKey], int]
-    ) -> tuple[int, CloseReason | None]:
-        """`_fill` for good records only (a poll without bad ones, most polls), from
-        cumulative sums: where the batch must close is found by binary search and
-        the records join in slices, without a Python step a record (the loop's
-        bookkeeping was 7 % of the worker's GIL with a tiny model)."""
-        batch = self._ensure_open()
-        count, tokens, value_bytes = len(batch), batch.tokens, batch.value_bytes
-        max_bytes = self.max_bytes if self.max_bytes is not None else float("inf")
-        end, reason = len(run.records), None
-        before = start - 1
-        # Token and byte totals of the batch were record j to join: t0 + tokens[j] - base.
-        token_base = int(run.tokens[before]) if start else 0
-        byte_base = int(run.bytes[before]) if start else 0
-        token_room = self.max_tokens - tokens + token_base
-        byte_room = max_bytes - value_bytes + byte_base
-        # The first record after which the batch is at a bound (count, tokens, bytes).
-        at_bound = min(
-            start + max(self.max_records - count, 1) - 1,
-            int(np.searchsorted(run.tokens, token_room, side="left")),
-            int(np.searchsorted(run.bytes, byte_room, side="left")) if byte_room < 1e30 else end,
-        )
-        stop = end
-        if at_bound < end:
-            # Would it take a batch holding (good) records past a bound: closes first.
-            held = at_bound - start
-            over_tokens = int(run.tokens[at_bound]) > token_room and len(batch.good) + held > 0
-            over_bytes = int(run.bytes[at_bound]) > byte_room and count + held > 0
-            if over_tokens or over_bytes:
-                stop = at_bound
-                reason = CloseReason.TOKENS if over_tokens else CloseReason.BYTES
-            else:
-                stop = at_bound + 1
-                if count + (stop - start) >= self.max_records:
-                    reason = CloseReason.RECORDS
-                elif int(run.tokens[at_bound]) >= token_room:
-                    reason = CloseReason.TOKENS
-                else:
-                    reason = CloseReason.BYTES
-        if stop > start:
-            batch.good.extend(run.records[start:stop])
-            batch.token_ids.extend(run.ids[start:stop])
-            batch.tokens = tokens + int(run.tokens[stop - 1]) - token_base
-            batch.value_bytes = value_bytes + int(run.bytes[stop - 1]) - byte_base
-            # Each partition's stretch of [start, stop), a run of the poll at a time.
-            first = start
-            for run_end in run.run_ends[bisect.bisect_right(run.run_ends, start) :]:
-                last = min(run_end, stop) - 1
-                key = run.keys[first]
-                self._cover_run(batch, [*key, run.offsets[first], run.offsets[last]], epoch_of)
-                if run_end >= stop:
-                    break
-                first = run_end
-        return stop, reason
 
     def _fill(
         self,
