@@ -427,8 +427,9 @@ def seen(batch: MicroBatch | None, reason: CloseReason | None = None) -> dict | 
     }
 
 
+@pytest.mark.parametrize("bad_share", [0.2, 0.02, 0.0])
 @pytest.mark.parametrize("seed", range(40))
-def test_batches_are_those_of_the_one_record_at_a_time_rules(seed: int) -> None:
+def test_batches_are_those_of_the_one_record_at_a_time_rules(seed: int, bad_share: float) -> None:
     rng = random.Random(seed)
     max_records, max_tokens = rng.choice([1, 2, 7, 50]), rng.choice([1, 10, 60, 10_000])
     max_bytes = rng.choice([None, 1, 100, 700])
@@ -439,13 +440,13 @@ def test_batches_are_those_of_the_one_record_at_a_time_rules(seed: int) -> None:
     for _ in range(30):
         polled: list[Item] = []
         for key in rng.sample(sorted(epochs), rng.randint(1, 4)):  # a poll: runs by partition
-            for _ in range(rng.choice([0, 1, 3, 20])):
+            for _ in range(rng.choice([0, 1, 3, 20, 150])):
                 offset = positions[key] = positions[key] + rng.choice([1, 1, 1, 4])
                 source = SourceRecord(key[0], key[1], offset, 0, None, b"v" * rng.randrange(300))
-                if rng.random() < 0.2:
+                if rng.random() < bad_share:
                     polled.append((BadRecord(source, "decode", "InvalidJson", "x"), None))
                 else:
-                    ids = list(range(rng.choice([1, 5, 30, 80])))
+                    ids = list(range(rng.choice([0, 1, 5, 30, 80])))
                     polled.append((GoodRecord(source, "t", None, None), ids))
         got = [seen(b, b.closed_by) for b in batcher.add(polled, epochs.__getitem__)]
         assert got == model.add(polled, epochs.__getitem__)
