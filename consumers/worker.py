@@ -561,8 +561,13 @@ class Worker:
         assert self._reader is not None
         if truncated:
             self.metrics.truncated.inc(truncated)
-        ids = iter(token_ids)
-        pairs = [(p, next(ids) if isinstance(p, GoodRecord) else None) for p in parsed]
+        if len(token_ids) == len(parsed):  # no bad record among them: paired in C
+            pairs: list[tuple[GoodRecord | BadRecord, TokenIds | None]] = list(
+                zip(parsed, token_ids, strict=True)
+            )
+        else:
+            ids = iter(token_ids)
+            pairs = [(p, next(ids) if isinstance(p, GoodRecord) else None) for p in parsed]
         for batch in self.batcher.add(pairs, self._reader.epoch):
             self._hand_off(batch)
 
