@@ -139,20 +139,16 @@ class TokenizerProcess:
         submitted) as `RecordParser.parse` makes them, the good ones' token ids (as
         `result` gives them) and how many of those were truncated."""
         (flat, offsets, truncated, _), texts, record_ids, metadatas, bad = self._receive("parsed")
+        ids = _views(flat, offsets)
         if not bad:
-            good_sources: list[Source] = sources
-        else:
-            reasons = {index: reason for index, *reason in bad}
-            good_sources = [s for i, s in enumerate(sources) if i not in reasons]
-        good = good_records(good_sources, texts, record_ids, metadatas)
-        if not bad:
-            return good, _views(flat, offsets), truncated
-        taken = iter(good)
+            return good_records(sources, texts, record_ids, metadatas), ids, truncated
+        reasons = {index: reason for index, *reason in bad}
+        good_sources = [s for i, s in enumerate(sources) if i not in reasons]
+        good = iter(good_records(good_sources, texts, record_ids, metadatas))
         records: list[GoodRecord | BadRecord] = [
-            BadRecord(s, *reasons[i]) if i in reasons else next(taken)
-            for i, s in enumerate(sources)
+            BadRecord(s, *reasons[i]) if i in reasons else next(good) for i, s in enumerate(sources)
         ]
-        return records, _views(flat, offsets), truncated
+        return records, ids, truncated
 
     def _send(self, request: tuple[str, list[Any]]) -> None:
         assert self._ready and not self._waiting, "one request at a time, once ready"
