@@ -274,11 +274,11 @@ class WriteStage(Stage):
     def _stage(self, batch: MicroBatch, vectors: np.ndarray) -> list[StagedFile]:
         # A batch holds runs of one partition's records (a poll's, in order): grouped
         # a run at a time, without a Python call a record.
-        keys = list(map(_source_key, batch.good))
+        keys = list(map(_key, batch.good))
         by_partition: dict[TopicPartitionKey, list[int]] = defaultdict(list)
         for key, run in groupby(range(len(keys)), keys.__getitem__):
             by_partition[key].extend(run)
-        bad = Counter(_key(b) for b in batch.bad)
+        bad = Counter(map(_key, batch.bad))
         staged = []
         for key, (first, last) in sorted(batch.ranges.items()):
             rows = by_partition.get(key, [])
@@ -296,11 +296,10 @@ class WriteStage(Stage):
         return staged
 
 
-def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
-    return (record.source.topic, record.source.partition)
-
-
-_source_key = attrgetter("source.topic", "source.partition")  # _key, for map()
+# A record's (topic, partition); an attrgetter, so that map() needs no Python call.
+_key: Callable[[GoodRecord | BadRecord], TopicPartitionKey] = attrgetter(
+    "source.topic", "source.partition"
+)
 
 
 class CompactStage(Stage):

@@ -534,7 +534,7 @@ def _end_to_end(rows: list[TokenIds], total: int) -> np.ndarray:
         return np.frombuffer(b"".join(rows), np.int32)  # type: ignore[arg-type]
     if kinds <= {list}:
         return np.fromiter(chain.from_iterable(rows), np.int64, total)
-    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows] or [[]])
+    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
 
 
 def _encoder_choice(encoder: str | None) -> str:
