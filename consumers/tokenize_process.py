@@ -61,8 +61,8 @@ _TICK_S = 0.05
 
 
 class TokenizerProcess:
-    """A child process that parses record values and tokenizes texts, one request at a
-    time. `parser` and `prompt` (put before each text tokenized) apply to values."""
+    """A child process that parses record values and tokenizes the good ones' texts
+    (after `prompt`), one poll at a time, as `parser` and the tokenizer say."""
 
     def __init__(
         self,
@@ -116,29 +116,30 @@ class TokenizerProcess:
                 log.info("tokenizer process: not used (%s)", detail)
         return self._ready
 
-    def submit(self, texts: list[str]) -> None:
-        """Texts to tokenize as they are (prompted already): `result` answers."""
-        self._send(("texts", texts))
-
     def submit_values(self, values: list[bytes | None]) -> None:
         """A poll's record values to parse, then tokenize the good ones' texts after
         the prompt: `parsed_result` answers."""
-        self._send(("values", values))
-
-    def result(self) -> tuple[list[Any], int, list[int]]:
-        """(ids, truncated, others) of the submitted texts, as `wordpiece.encode_taken`
-        gives them, each text's ids a view of one int32 array; `others` is empty (the
-        child tokenizes them too)."""
-        tokens = self._receive("ids")
-        return _views(tokens[0], tokens[1]), tokens[2], tokens[3]
+        assert self._ready and not self._waiting, "one request at a time, once ready"
+        try:
+            self._conn.send_bytes(pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            raise self._gone() from exc
+        self._waiting = True
 
     def parsed_result(
         self, sources: list[Source]
     ) -> tuple[list[GoodRecord | BadRecord], list[Any], int]:
         """The submitted values' records (`sources`, in the order their values were
-        submitted) as `RecordParser.parse` makes them, the good ones' token ids (as
-        `result` gives them) and how many of those were truncated."""
-        (flat, offsets, truncated, _), texts, record_ids, metadatas, bad = self._receive("parsed")
+        submitted) as `RecordParser.parse` makes them, the good ones' token ids (each
+        a memoryview of one int32 array, as `wordpiece.encode_taken_flat` places them;
+        the child tokenizes what its fast path leaves too) and how many of those were
+        truncated."""
+        assert self._waiting, "nothing was submitted"
+        kind, detail = self._answer(ANSWER_TIMEOUT_S)
+        self._waiting = False
+        if kind != "parsed":
+            raise PipelineError(f"the tokenizer process answered {kind!r}: {detail}")
+        (flat, offsets, truncated, _), texts, record_ids, metadatas, bad = detail
         ids = _views(flat, offsets)
         if not bad:
             return good_records(sources, texts, record_ids, metadatas), ids, truncated
@@ -149,22 +150,6 @@ class TokenizerProcess:
             BadRecord(s, *reasons[i]) if i in reasons else next(good) for i, s in enumerate(sources)
         ]
         return records, ids, truncated
-
-    def _send(self, request: tuple[str, list[Any]]) -> None:
-        assert self._ready and not self._waiting, "one request at a time, once ready"
-        try:
-            self._conn.send_bytes(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError as exc:
-            raise self._gone() from exc
-        self._waiting = True
-
-    def _receive(self, expected: str) -> Any:
-        assert self._waiting, "nothing was submitted"
-        kind, detail = self._answer(ANSWER_TIMEOUT_S)
-        self._waiting = False
-        if kind != expected:
-            raise PipelineError(f"the tokenizer process answered {kind!r}: {detail}")
-        return detail
 
     def close(self) -> None:
         """Ends the child (it exits when its end of the connection closes)."""
@@ -248,17 +233,11 @@ def _serve(conn: Connection, max_length: int) -> None:
         return
     conn.send_bytes(pickle.dumps(("ready", None)))
     while True:
-        kind, items = pickle.loads(conn.recv_bytes())
-        if kind == "texts":
-            answer: tuple[str, Any] = (
-                "ids",
-                wordpiece.encode_taken_flat(fast, items, rust_tokenizer),
-            )
-        else:
-            texts, record_ids, metadatas, bad = _parsed(parser, items)
-            prompted = [prompt + text for text in texts] if prompt else texts
-            tokens = wordpiece.encode_taken_flat(fast, prompted, rust_tokenizer)
-            answer = ("parsed", (tokens, texts, record_ids, metadatas, bad))
+        values: list[bytes | None] = pickle.loads(conn.recv_bytes())
+        texts, record_ids, metadatas, bad = _parsed(parser, values)
+        prompted = [prompt + text for text in texts] if prompt else texts
+        tokens = wordpiece.encode_taken_flat(fast, prompted, rust_tokenizer)
+        answer = ("parsed", (tokens, texts, record_ids, metadatas, bad))
         conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 
 

@@ -437,9 +437,9 @@ class Embedder:
         self, texts: list[str], fast: wordpiece.FastWordPiece
     ) -> tuple[list[list[int]], int]:
         ids, truncated, others = wordpiece.encode_taken(fast, texts)
-        return ids, truncated + self.encode_others(texts, ids, others)
+        return ids, truncated + self._encode_others(texts, ids, others)
 
-    def encode_others(self, texts: list[str], ids: list[Any], others: list[int]) -> int:
+    def _encode_others(self, texts: list[str], ids: list[Any], others: list[int]) -> int:
         """Fills in `ids` the texts at `others` (those the fast path left) with the Rust
         tokenizer; returns how many of them were truncated."""
         if not others:
