@@ -7,6 +7,11 @@ deserializer step before it builds the `ConsumerRecord` the caller gets: about
 module decodes a batch's records in one loop (one-byte and two-byte varints
 inline), about twice as fast, and yields the same `ConsumerRecord` tuples.
 
+One difference on purpose: a header key that is not UTF-8 (Go clients and
+librdkafka's C API can write one) is decoded with U+FFFD for the bad bytes, as
+the Java client decodes it, where kafka-python fails the whole batch: the worker
+would stop at that record at every restart, though it never reads headers.
+
 Everything around the records stays kafka-python's: fetch sessions, positions,
 CRC of each batch, aborted transactions and control batches (that logic is
 `_unpack_records` below, kafka-python's own with the v2 record loop swapped),
@@ -118,15 +123,21 @@ def install(consumer: kafka.KafkaConsumer) -> bool:
             f"batch decoder mirrors ({MIRRORED_RELEASE}), or deserializers are set"
         )
     if not usable:
-        log.info(
-            "record decoding: kafka-python's own (kafka-python %s is not the release "
-            "the batch decoder mirrors, or deserializers are set)",
-            kafka.__version__,
+        _announce(
+            f"record decoding: kafka-python's own (kafka-python {kafka.__version__} is not "
+            "the release the batch decoder mirrors, or deserializers are set; a header key "
+            "that is not UTF-8 then stops the worker at its record)"
         )
         return False
     fetcher.PartitionRecords = BatchDecodedRecords
-    log.info("record decoding: a batch at a time (kafka-python %s)", kafka.__version__)
+    _announce(f"record decoding: a batch at a time (kafka-python {kafka.__version__})")
     return True
+
+
+@functools.cache
+def _announce(message: str) -> None:
+    """Logs the decoder once a process: audits and repairs install it on consumers of their own."""
+    log.info(message)
 
 
 def _varint(buffer: bytes, pos: int) -> tuple[int, int]:
@@ -239,7 +250,7 @@ def _headers(buffer: bytes, pos: int) -> tuple[list[tuple[str, bytes | None]], i
         name_size, pos = decode_varint(buffer, pos)
         if name_size < 0:
             raise kerrors.CorruptRecordError(f"Invalid negative header key size {name_size}")
-        name = buffer[pos : pos + name_size].decode("utf-8")
+        name = buffer[pos : pos + name_size].decode("utf-8", "replace")
         pos += name_size
         data_size, pos = decode_varint(buffer, pos)
         if data_size >= 0:

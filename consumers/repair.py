@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 
+from consumers import record_batches
 from pipeline import cluster
 from pipeline.config import KafkaSettings, WorkerConfig
 from pipeline.embedder import Embedder
@@ -132,6 +133,7 @@ def _repair(
         return "pending"
     tp = TopicPartition(note.topic, note.partition)
     with cluster.offsets_consumer(config.kafka) as reader:
+        record_batches.install(reader)  # decodes the range as the worker first did
         beginning = cluster.beginning_offsets(reader, config.kafka, [tp])[tp]
         if note.first < beginning:
             log.error(
@@ -243,6 +245,7 @@ def decode_failure(kafka: KafkaSettings, tp: TopicPartition, position: int) -> E
     """The decoding error fetching `tp` from `position` gives, if any (to name it)."""
     try:
         with cluster.offsets_consumer(kafka) as probe:
+            record_batches.install(probe)  # the worker's decoder, so the worker's error
             probe.assign([tp])
             probe.seek(tp, position)
             for _ in range(6):

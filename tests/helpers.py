@@ -45,6 +45,44 @@ def publish_raw(
     return n
 
 
+class RawHeaderKey(str):
+    """A record header key that kafka-python's producer writes as the given bytes, which
+    need not be UTF-8 (Go clients and librdkafka's C API take header keys as bytes):
+    the producer writes `key.encode("utf-8")`."""
+
+    raw: bytes
+
+    def __new__(cls, raw: bytes) -> RawHeaderKey:
+        key = super().__new__(cls, raw.decode("utf-8", "replace"))
+        key.raw = raw
+        return key
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return self.raw
+
+
+# Header keys that are not UTF-8: stray bytes, Latin-1, an encoded UTF-16 surrogate, a
+# sequence cut short.
+NOT_UTF8_KEYS = (b"\xff\xfe", b"caf\xe9", b"\xed\xa0\x80", b"\xc3")
+
+
+def publish_with_keys_not_utf8(
+    bootstrap: str, topic: str, records: Sequence[dict[str, Any]], partitions: int = 1
+) -> int:
+    """Publishes JSON objects round-robin over the partitions (lz4), every third with a
+    header key that is not UTF-8 before a plain one; returns the count."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type="lz4")
+    for n, record in enumerate(records):
+        headers = [("trace", b"%d" % n)]
+        if n % 3 == 0:
+            headers.insert(0, (RawHeaderKey(NOT_UTF8_KEYS[n % len(NOT_UTF8_KEYS)]), b"v"))
+        value = json.dumps(record).encode()
+        producer.send(topic, value, headers=headers, partition=n % partitions)
+    producer.flush(30)
+    producer.close()
+    return len(records)
+
+
 def corpus_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
     from pipeline.corpus import sample_texts
 

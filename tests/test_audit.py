@@ -40,6 +40,7 @@ from tests.helpers import (
     output_rows,
     publish_json,
     publish_raw,
+    publish_with_keys_not_utf8,
     run_until_end,
     truncate,
     worker_env,
@@ -544,3 +545,36 @@ def test_transaction_markers_and_aborted_records_are_not_missing(
     rc, report, _ = audit_json(broker, out, group_id, topic)
     assert rc == 1
     assert report["partitions"][0]["missing"] == [list(r) for r in runs(np.array(held))]
+
+
+@pytest.mark.integration
+def test_header_keys_that_are_not_utf8_stop_neither_the_worker_nor_the_audit(
+    broker, make_topic, group_id, tmp_path
+) -> None:
+    """kafka-python's own decoder fails a whole batch on such a key: the worker stopped at
+    that record at every restart, and an audit reading it back failed."""
+    topic = make_topic(partitions=2)
+    records = corpus_records(60)
+    publish_with_keys_not_utf8(broker, topic, records, partitions=2)
+    out = tmp_path / "out"
+
+    result = run_until_end(broker, topic, group_id, out, "--batch-size", "8")
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = output_rows(out)
+    assert sorted(rows) == [(topic, p, o) for p in (0, 1) for o in range(30)]
+    texts = {
+        r["id"]: r["text"]
+        for path in sorted(vectors_dir(out).glob("*.parquet"))
+        for r in pq.read_table(path, columns=["id", "text"]).to_pylist()
+    }
+    assert texts == {r["id"]: r["text"] for r in records}
+    # The audit reads a lost segment's records back from Kafka, the keys among them.
+    victim = segments_by_partition(out)[(topic, 0)][0]
+    held = pq.read_table(victim.path, columns=["offset"])["offset"].to_pylist()
+    assert held[0] == 0  # offset 0 carries such a key (record 0)
+    victim.path.unlink()
+    rc, report, stderr = audit_json(broker, out, group_id, topic)
+    assert rc == 1, stderr
+    assert partitions_of(report)[0]["missing"] == [[held[0], held[-1]]]
+    assert partitions_of(report)[1]["missing"] == []

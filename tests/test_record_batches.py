@@ -5,10 +5,14 @@ mirrors. The last test reads a real broker's topic through both decoders."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import random
 import struct
+import textwrap
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,7 +21,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord, Fetcher
 from kafka.protocol.consumer import IsolationLevel
-from kafka.record import MemoryRecords
+from kafka.record import MemoryRecords, default_records
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 from kafka.record.legacy_records import LegacyRecordBatchBuilder
 from kafka.record.util import calc_crc32c
@@ -25,6 +29,7 @@ from kafka.record.util import calc_crc32c
 from consumers import record_batches
 from consumers.record_batches import BatchDecodedRecords
 from pipeline.errors import ConfigError
+from tests.helpers import NOT_UTF8_KEYS, RawHeaderKey
 
 MIRRORED = kafka.__version__ == record_batches.MIRRORED_RELEASE
 # Another kafka-python release keeps its own decoder (the last two tests check that);
@@ -105,9 +110,33 @@ def drain(cls: type, data: bytes, take: int | None = None, **kwargs: Any) -> dic
     return {"takes": seen, "records_read": parts.records_read, "position": parts.next_fetch_offset}
 
 
+@functools.cache
+def lenient_read_msg() -> Callable[..., Any]:
+    """kafka-python's own record reader with the decoder's one difference on purpose: a
+    header key that is not UTF-8 read with U+FFFD, as the Java client reads it."""
+    source = textwrap.dedent(inspect.getsource(DefaultRecordBatch._read_msg))
+    strict = 'h_key = buffer[pos: pos + h_key_len].decode("utf-8")'
+    assert source.count(strict) == 1, "kafka-python reads header keys another way now"
+    source = source.replace(strict, strict[:-1] + ', "replace")')
+    namespace: dict[str, Any] = {}
+    exec(source, vars(default_records), namespace)
+    return namespace["_read_msg"]
+
+
+@contextlib.contextmanager
+def lenient_kafka_python() -> Iterator[None]:
+    strict = DefaultRecordBatch._read_msg
+    DefaultRecordBatch._read_msg = lenient_read_msg()
+    try:
+        yield
+    finally:
+        DefaultRecordBatch._read_msg = strict
+
+
 def same_as_kafka_python(data: bytes, **kwargs: Any) -> dict[str, Any]:
     ours = drain(BatchDecodedRecords, data, **kwargs)
-    theirs = drain(Fetcher.PartitionRecords, data, **kwargs)
+    with lenient_kafka_python():
+        theirs = drain(Fetcher.PartitionRecords, data, **kwargs)
     assert ours["takes"] == theirs["takes"]
     assert ours["position"] == theirs["position"]
     return ours
@@ -174,6 +203,27 @@ def test_values_keys_headers_and_sizes() -> None:
     assert (got[0].serialized_key_size, got[0].serialized_value_size) == (-1, -1)
     assert got[2].serialized_header_size == (2 + 1) + 3 + 0  # "源" is 3 bytes of UTF-8
     assert all(isinstance(r.value, bytes) for r in got if r.value is not None)
+
+
+@needs_mirrored
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_header_keys_that_are_not_utf8_read_as_the_java_client_reads_them(codec: str) -> None:
+    """kafka-python fails the whole batch on such a key, which would stop the worker at
+    that record at every restart; the decoder reads it with U+FFFD and goes on."""
+    records = [
+        (n, 10 + n, None, b"value %d" % n, [(RawHeaderKey(raw), b"x"), ("trace", None)])
+        for n, raw in enumerate(NOT_UTF8_KEYS)
+    ]
+    data = v2_batch(0, [*records, (9, 20, None, b"last", [])], codec)
+    strict = drain(Fetcher.PartitionRecords, data, check_crcs=True)["takes"]
+    assert strict[0][:2] == ("error", "CorruptRecordError") and "UnicodeDecodeError" in strict[0][2]
+
+    got = records_of(same_as_kafka_python(data, check_crcs=True))
+
+    assert [r.value for r in got] == [b"value 0", b"value 1", b"value 2", b"value 3", b"last"]
+    keys = [r.headers[0][0] for r in got[:4]]
+    assert keys == ["\ufffd\ufffd", "caf\ufffd", "\ufffd" * 3, "\ufffd"]
+    assert all(r.headers[1] == ("trace", None) for r in got[:4])
 
 
 @needs_mirrored

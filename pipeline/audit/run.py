@@ -8,6 +8,7 @@ from typing import Any
 
 from kafka import TopicPartition
 
+from consumers import record_batches
 from pipeline import cluster
 from pipeline.audit.accounting import audit_partition
 from pipeline.audit.kafka_reads import STALL_S, DeadLetters, kafka_scan, read_dead_letters
@@ -52,6 +53,9 @@ def run_audit(
     with cluster.offsets_consumer(
         kafka, fetch_max_wait_ms=100, auto_offset_reset="earliest", metrics_enabled=False
     ) as consumer:
+        # The worker's decoder: a record it reads (a header key that is not UTF-8
+        # among them) must not stop the audit that checks it.
+        record_batches.install(consumer)
         dead = read_dead_letters(
             consumer, kafka, dead_topic, described.get(dead_topic), names, stall_s
         )
