@@ -1,7 +1,8 @@
 """The batch decoder (consumers.record_batches) yields what kafka-python yields: the
 same ConsumerRecord tuples, positions, errors and skipped transactions, for every
-batch kind a broker can return; and it is used only with the kafka-python code it
-mirrors. The last test reads a real broker's topic through both decoders."""
+batch kind a broker can return (but for header keys that are not UTF-8, which it reads
+as the Java client does, and kafka-python fails on); and it is used only with the
+kafka-python code it mirrors. The last test reads a real broker's topic through both decoders."""
 
 from __future__ import annotations
 
