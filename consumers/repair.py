@@ -30,6 +30,7 @@ from consumers import record_batches
 from pipeline import cluster
 from pipeline.config import KafkaSettings, WorkerConfig
 from pipeline.embedder import Embedder
+from pipeline.errors import PipelineError
 from pipeline.host import call_on_fresh_thread
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
 from sinks.layout import (
@@ -231,7 +232,15 @@ def read_range(
     while (consumer.position(tp, timeout_ms=5_000) or first) <= last:
         if time.monotonic() > deadline:
             raise cluster.unreachable(kafka, what=f"reading {tp.topic}[{tp.partition}] again")
-        polled = consumer.poll(timeout_ms=500)
+        try:
+            polled = consumer.poll(timeout_ms=500)
+        except (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError) as exc:
+            at = consumer.position(tp, timeout_ms=0)
+            raise PipelineError(
+                f"cannot decode the record batch of {tp.topic}[{tp.partition}] at offset {at}, "
+                f"read again to repair a damaged segment: {exc}; the worker stops there "
+                "(nothing past it is committed)"
+            ) from exc
         for batch in polled.values():
             records += [
                 SourceRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value)

@@ -10,12 +10,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import kafka.errors as kerrors
 import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.errors import IndexStateError, OutputError
+from consumers import repair
+from pipeline.config import KafkaSettings
+from pipeline.errors import IndexStateError, OutputError, PipelineError
 from sinks.layout import quarantine_dir, segments_by_partition, vectors_dir
 from sinks.writers import STALE_TEMP_AGE_S
 from tests.helpers import (
@@ -196,3 +199,40 @@ def test_a_damaged_last_segment_behind_the_commit_is_read_again_by_the_next_owne
             if proc is not None and proc.poll() is None:
                 proc.kill()
     every_offset_once(out, topic, {0: 110})
+
+
+class UndecodableFetch:
+    """A group-less consumer whose fetches from its position meet a batch that cannot be
+    decoded (a damaged batch on the broker, a codec not installed)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error, self.offset = error, 0
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        pass
+
+    def seek(self, partition: TopicPartition, offset: int) -> None:
+        self.offset = offset
+
+    def position(self, partition: TopicPartition, timeout_ms: int | None = None) -> int:
+        return self.offset
+
+    def poll(self, timeout_ms: int = 0) -> dict:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        kerrors.CorruptRecordError("Record batch for partition t-2 at offset 7 failed crc check"),
+        kerrors.UnsupportedCodecError("Libraries for zstd compression codec not found"),
+    ],
+)
+def test_a_range_the_repair_cannot_decode_is_named_by_its_offset(error: Exception) -> None:
+    """One line naming where, not 'Kafka refused the worker'."""
+    reader = UndecodableFetch(error)
+    with pytest.raises(PipelineError) as failed:
+        repair.read_range(reader, KafkaSettings(), TopicPartition("t", 2), 7, 20)  # type: ignore[arg-type]
+    message = str(failed.value)
+    assert message.startswith("cannot decode the record batch of t[2] at offset 7")
+    assert str(error) in message and "repair a damaged segment" in message
