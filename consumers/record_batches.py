@@ -41,7 +41,7 @@ from kafka.protocol.consumer import IsolationLevel
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.util import decode_varint
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, PipelineError
 
 try:
     from crc32c import crc32c as _crc32c
@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 DECODER_ENV = "PIPELINE_RECORD_DECODER"
 DECODERS = ("auto", "batch", "kafka-python")
+
+# What a fetch raises at a record batch that cannot be decoded (damaged, or compressed
+# with a codec whose library is missing).
+UNDECODABLE = (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError)
 
 MIRRORED_RELEASE = "3.0.12"
 # sha256 of the kafka-python code this module mirrors, as MIRRORED_RELEASE ships it.
@@ -132,6 +136,14 @@ def install(consumer: kafka.KafkaConsumer) -> bool:
     fetcher.PartitionRecords = BatchDecodedRecords
     _announce(f"record decoding: a batch at a time (kafka-python {kafka.__version__})")
     return True
+
+
+def undecodable(where: str, exc: Exception) -> PipelineError:
+    """The one line a worker stops with at a record batch it cannot decode."""
+    return PipelineError(
+        f"cannot decode the record batch of {where}: {exc}; the worker stops there "
+        "(nothing past it is committed)"
+    )
 
 
 @functools.cache

@@ -23,14 +23,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 
 from consumers import record_batches
 from pipeline import cluster
 from pipeline.config import KafkaSettings, WorkerConfig
 from pipeline.embedder import Embedder
-from pipeline.errors import PipelineError
 from pipeline.host import call_on_fresh_thread
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
 from sinks.layout import (
@@ -234,13 +232,12 @@ def read_range(
             raise cluster.unreachable(kafka, what=f"reading {tp.topic}[{tp.partition}] again")
         try:
             polled = consumer.poll(timeout_ms=500)
-        except (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError) as exc:
+        except record_batches.UNDECODABLE as exc:
             at = consumer.position(tp, timeout_ms=0)
-            raise PipelineError(
-                f"cannot decode the record batch of {tp.topic}[{tp.partition}] at offset {at}, "
-                f"read again to repair a damaged segment: {exc}; the worker stops there "
-                "(nothing past it is committed)"
-            ) from exc
+            where = (
+                f"{tp.topic}[{tp.partition}] at offset {at}, read again to repair a damaged segment"
+            )
+            raise record_batches.undecodable(where, exc) from exc
         for batch in polled.values():
             records += [
                 SourceRecord(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value)
@@ -259,7 +256,7 @@ def decode_failure(kafka: KafkaSettings, tp: TopicPartition, position: int) -> E
             probe.seek(tp, position)
             for _ in range(6):
                 probe.poll(timeout_ms=500, max_records=1)
-    except (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError) as exc:
+    except record_batches.UNDECODABLE as exc:
         return exc
     except Exception:  # the probe is a diagnosis: anything else says nothing
         return None

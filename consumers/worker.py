@@ -80,10 +80,9 @@ _FAILURE_COMMIT_WAIT_S = 5.0
 # Polls of fewer texts (unless full) are tokenized here: a trickle gains nothing from
 # the overlap, and its records reach a batch without waiting for another poll.
 TOKENIZER_PROCESS_MIN_TEXTS = 256
+
+
 # Decoding problems no retry mends: name the partition and offset, and stop.
-_UNDECODABLE = (kerrors.UnsupportedCodecError, kerrors.CorruptRecordError)
-
-
 class RunSummary:
     """What a run did. The rate counts from the first record polled to the last
     commit: processing throughput, without start-up (model load, group join)."""
@@ -476,7 +475,7 @@ class Worker:
         if isinstance(failure, kerrors.OffsetOutOfRangeError):
             self._out_of_range(failure.args[0] if failure.args else {})
             return {}
-        if isinstance(failure, _UNDECODABLE):
+        if isinstance(failure, record_batches.UNDECODABLE):
             raise self._undecodable(failure) from failure
         if cluster.is_retriable(failure):
             log.debug("poll: %s (retrying)", failure)
@@ -832,10 +831,7 @@ class Worker:
                 # poll() raised may belong to another.
                 where, exc = f"{tp.topic}[{tp.partition}] at offset {position}", found
                 break
-        return PipelineError(
-            f"cannot decode the record batch of {where}: {exc}; the worker stops there "
-            "(nothing past it is committed)"
-        )
+        return record_batches.undecodable(where, exc)
 
     # -- bulk mode -----------------------------------------------------------------
 
