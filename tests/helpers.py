@@ -35,11 +35,19 @@ def publish_raw(
     topic: str,
     items: Iterable[tuple[bytes | None, bytes | None]],
     partitions: int = 1,
+    headers: Callable[[int], list[tuple[str, bytes]]] = lambda n: [],
+    **producer_config: Any,
 ) -> int:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    """Publishes (key, value) pairs round-robin over the partitions, the n-th (from 0)
+    with `headers(n)`; returns the count."""
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=5, **producer_config
+    )
     n = 0
     for n, (key, value) in enumerate(items, 1):
-        producer.send(topic, key=key, value=value, partition=(n - 1) % partitions)
+        producer.send(
+            topic, key=key, value=value, headers=headers(n - 1), partition=(n - 1) % partitions
+        )
     producer.flush(30)
     producer.close()
     return n
@@ -71,16 +79,15 @@ def publish_with_keys_not_utf8(
 ) -> int:
     """Publishes JSON objects round-robin over the partitions (lz4), every third with a
     header key that is not UTF-8 before a plain one; returns the count."""
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type="lz4")
-    for n, record in enumerate(records):
-        headers = [("trace", b"%d" % n)]
-        if n % 3 == 0:
-            headers.insert(0, (RawHeaderKey(NOT_UTF8_KEYS[n % len(NOT_UTF8_KEYS)]), b"v"))
-        value = json.dumps(record).encode()
-        producer.send(topic, value, headers=headers, partition=n % partitions)
-    producer.flush(30)
-    producer.close()
-    return len(records)
+
+    def headers(n: int) -> list[tuple[str, bytes]]:
+        plain = [("trace", b"%d" % n)]
+        if n % 3:
+            return plain
+        return [(RawHeaderKey(NOT_UTF8_KEYS[n % len(NOT_UTF8_KEYS)]), b"v"), *plain]
+
+    items = ((None, json.dumps(r).encode()) for r in records)
+    return publish_raw(bootstrap, topic, items, partitions, headers, compression_type="lz4")
 
 
 def corpus_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
