@@ -10,12 +10,11 @@ as columns (texts, ids, metadata; the bad records' reasons); the token ids as on
 int32 array and its offsets, each text's ids a view of it, not a Python list
 (making those lists cost as much as half the tokenizing).
 
-The child runs pipeline.wordpiece's fast path, rebuilt from the worker's own
-tokenizer (and checked against it at start, as in-process); the texts that path
-leaves are tokenized there too, with that Rust tokenizer (truncation included),
-not in the poll loop (in a Chinese corpus 4% of the texts took a quarter of the
-loop's CPU). Where the fast path does not apply the child says so and the worker
-tokenizes everything itself.
+The child runs pipeline.wordpiece's fast path where the tokenizer is BERT's
+WordPiece (rebuilt from the worker's own tokenizer and checked against it at
+start, its tables built before the child says it is ready), and the Rust
+tokenizer for the texts that path leaves and for every other tokenizer
+(truncation included): none of it in the poll loop.
 
 When a poll's records join the batcher is the poll loop's business
 (consumers.worker): in poll order, before anything else touches the batcher.
@@ -70,7 +69,9 @@ class TokenizerProcess:
         max_length: int,
         parser: RecordParser | None = None,
         prompt: str = "",
+        fast_path: bool = True,
     ) -> None:
+        """`fast_path` False: the Rust tokenizer for every text (PIPELINE_TOKENIZER=rust)."""
         parent_end, child_end = socket.socketpair()
         self._child = subprocess.Popen(
             [sys.executable, "-c", "from consumers.tokenize_process import main; main()",
@@ -83,7 +84,7 @@ class TokenizerProcess:
         self._conn = Connection(parent_end.detach())
         self._waiting = False
         self._ready: bool | None = None  # known once the child's first answer is read
-        setup = (tokenizer_json, parser or RecordParser(), prompt)
+        setup = (tokenizer_json, parser or RecordParser(), prompt, fast_path)
         self._conn.send_bytes(pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
 
     @classmethod
@@ -93,15 +94,17 @@ class TokenizerProcess:
         max_length: int,
         parser: RecordParser | None = None,
         prompt: str = "",
-    ) -> TokenizerProcess | None:
-        """A ready child; None where the fast path does not apply to this tokenizer."""
-        process = cls(tokenizer_json, max_length, parser, prompt)
-        return process if process.ready() else None
+        fast_path: bool = True,
+    ) -> TokenizerProcess:
+        """A ready child (waited for)."""
+        process = cls(tokenizer_json, max_length, parser, prompt, fast_path)
+        process.ready()
+        return process
 
     def ready(self) -> bool:
-        """Waits (bounded) for the child to have built its fast path: False, and the
-        child ended, where it does not apply to this tokenizer. The worker asks at its
-        first large poll, so that the child starts while the group is joined."""
+        """Waits (bounded) for the child to have built its tokenizers: False, and the
+        child ended, where it refused. The worker asks at its first large poll, so
+        that the child starts while the group is joined."""
         if self._ready is None:
             try:
                 kind, detail = self._answer(START_TIMEOUT_S)
@@ -110,7 +113,7 @@ class TokenizerProcess:
                 raise
             self._ready = kind == "ready"
             if self._ready:
-                log.info("tokenizer process: on (a poll ahead of the poll loop)")
+                log.info("tokenizer process: on, %s (a poll ahead of the poll loop)", detail)
             else:
                 self.close()
                 log.info("tokenizer process: not used (%s)", detail)
@@ -131,9 +134,7 @@ class TokenizerProcess:
     ) -> tuple[list[GoodRecord | BadRecord], list[Any], int]:
         """The submitted values' records (`sources`, in the order their values were
         submitted) as `RecordParser.parse` makes them, the good ones' token ids (each
-        a memoryview of one int32 array, as `wordpiece.encode_taken_flat` places them;
-        the child tokenizes what its fast path leaves too) and how many of those were
-        truncated."""
+        a memoryview of one int32 array) and how many of those were truncated."""
         assert self._waiting, "nothing was submitted"
         kind, detail = self._answer(ANSWER_TIMEOUT_S)
         self._waiting = False
@@ -189,6 +190,48 @@ class TokenizerProcess:
         )
 
 
+class TokenizerPool:
+    """Several tokenizer processes, each taking a contiguous slice of every poll:
+    where one child is the ceiling (many CPUs beside a GPU, a tokenizer without the
+    fast path). The same calls as one TokenizerProcess."""
+
+    def __init__(self, count: int, *args: Any, **kwargs: Any) -> None:
+        self._children = [TokenizerProcess(*args, **kwargs) for _ in range(max(1, count))]
+        self._slices: list[tuple[TokenizerProcess, int, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def ready(self) -> bool:
+        return all([child.ready() for child in self._children])  # each waited for
+
+    def submit_values(self, values: list[bytes | None]) -> None:
+        share = -(-len(values) // len(self._children)) or 1
+        self._slices = []
+        for child, start in zip(self._children, range(0, len(values), share), strict=False):
+            end = min(start + share, len(values))
+            child.submit_values(values[start:end])
+            self._slices.append((child, start, end))
+
+    def parsed_result(
+        self, sources: list[Source]
+    ) -> tuple[list[GoodRecord | BadRecord], list[Any], int]:
+        records: list[GoodRecord | BadRecord] = []
+        ids: list[Any] = []
+        truncated = 0
+        for child, start, end in self._slices:
+            part_records, part_ids, part_truncated = child.parsed_result(sources[start:end])
+            records += part_records
+            ids += part_ids
+            truncated += part_truncated
+        self._slices = []
+        return records, ids, truncated
+
+    def close(self) -> None:
+        for child in self._children:
+            child.close()
+
+
 def _views(flat: Any, offsets: Any) -> list[memoryview]:
     """Each text's ids, a memoryview of `flat`, made by C-level maps: a numpy view a
     text cost 0.75 µs a record of the poll loop's GIL."""
@@ -225,18 +268,21 @@ def _serve(conn: Connection, max_length: int) -> None:
 
     from pipeline import wordpiece
 
-    tokenizer_json, parser, prompt = pickle.loads(conn.recv_bytes())
+    tokenizer_json, parser, prompt, fast_path = pickle.loads(conn.recv_bytes())
     rust_tokenizer = Tokenizer.from_str(tokenizer_json)
-    fast = wordpiece.for_tokenizer(rust_tokenizer, max_length)
-    if fast is None:
-        conn.send_bytes(pickle.dumps(("refused", "the tokenizer has no fast path")))
-        return
-    conn.send_bytes(pickle.dumps(("ready", None)))
+    fast = wordpiece.for_tokenizer(rust_tokenizer, max_length) if fast_path else None
+    if fast is not None:
+        fast.unicode_rules()  # built now, not at the first non-ASCII poll
+    kind = "the fast WordPiece path" if fast is not None else "the Rust tokenizer"
+    conn.send_bytes(pickle.dumps(("ready", kind)))
     while True:
         values: list[bytes | None] = pickle.loads(conn.recv_bytes())
         texts, record_ids, metadatas, bad = _parsed(parser, values)
         prompted = [prompt + text for text in texts] if prompt else texts
-        tokens = wordpiece.encode_taken_flat(fast, prompted, rust_tokenizer)
+        if fast is not None:
+            tokens = wordpiece.encode_taken_flat(fast, prompted, rust_tokenizer)
+        else:
+            tokens = wordpiece.encode_rust_flat(rust_tokenizer, prompted)
         answer = ("parsed", (tokens, texts, record_ids, metadatas, bad))
         conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 

@@ -46,12 +46,12 @@ from consumers.tiers import (
     fetch_lag,
     unpark_resumed,
 )
-from consumers.tokenize_process import TokenizerProcess
+from consumers.tokenize_process import TokenizerPool
 from pipeline import cluster
 from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from pipeline.cache import EmbeddingCache, open_cache
 from pipeline.config import WorkerConfig
-from pipeline.embedder import TOKENIZER_ENV, Embedder, TokenIds, tokenizer_choice
+from pipeline.embedder import Embedder, TokenIds, tokenizer_choice
 from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
 from pipeline.host import freeze_start_up_objects, process_age_s, usable_cpus
 from pipeline.identity import check_output_model
@@ -167,7 +167,7 @@ class Worker:
             self.batcher.hold_nearline = inbox.nearline_waiting
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
-        self._tokenizer: TokenizerProcess | None = None
+        self._tokenizer: TokenizerPool | None = None
         # A poll's records whose parses and ids the tokenizer process has yet to
         # send; at most one poll's worth.
         self._pending: list[Source] | None = None
@@ -255,15 +255,19 @@ class Worker:
         choice = self.config.tokenizer_process
         if choice == "off" or (choice == "auto" and usable_cpus() < 2):
             return
-        if tokenizer_choice() == "rust":
-            log.info("tokenizer process: off (%s=rust)", TOKENIZER_ENV)
-            return
-        # Not waited for here: it gets ready while the group is joined.
-        self._tokenizer = TokenizerProcess(
+        # As many as the plan has tokenizer threads beside a GPU; on the CPU one,
+        # as the model takes the other cores.
+        count = self.config.tokenizer_processes or (
+            self.embedder.tokenizer_threads if self.embedder.info.device == "cuda" else 1
+        )
+        # Not waited for here: they get ready while the group is joined.
+        self._tokenizer = TokenizerPool(
+            count,
             self.embedder.tokenizer_json(),
             self.embedder.info.max_length,
             self.parser,
             self.embedder.info.document_prompt or "",
+            fast_path=tokenizer_choice() == "auto",
         )
 
     def _tokenizer_takes(self, records: int) -> bool:
@@ -275,7 +279,7 @@ class Worker:
             return False
         if self._tokenizer.ready():
             return True
-        self._tokenizer = None  # refused: the fast path does not apply
+        self._tokenizer = None  # refused
         return False
 
     def _preflight(self) -> dict[TopicPartition, int]:

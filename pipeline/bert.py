@@ -30,13 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# model_type -> (the prefix a task head's checkpoint puts on the encoder's names,
-# the pad token AutoTokenizer's class assumes when the files name none).
-FAMILIES = {
-    "bert": ("bert", "[PAD]"),
-    "roberta": ("roberta", "<pad>"),
-    "xlm-roberta": ("roberta", "<pad>"),
-}
+# model_type -> the prefix a task head's checkpoint puts on the encoder's names.
+FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
 # Position ids start at padding_idx + 1 in these (fairseq's make_positions).
 OFFSET_POSITIONS = {"roberta", "xlm-roberta"}
 QKV = ("query", "key", "value")
@@ -297,7 +292,7 @@ def read_tensors(path: Path, config: EncoderConfig) -> dict[str, torch.Tensor]:
             raise Incomplete(f"weight shard {file.name} is missing")
         tensors.update(load_file(str(file), device="cpu"))
     fault_in(tensors.values())
-    prefix = FAMILIES[config.model_type][0] + "."
+    prefix = FAMILIES[config.model_type] + "."
     if not any(name.startswith("embeddings.") for name in tensors):
         tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
     return {_modern_name(name): tensor for name, tensor in tensors.items()}
@@ -353,103 +348,11 @@ def load_encoder(path: Path, config: EncoderConfig | None = None) -> BertEncoder
     return BertEncoder(config, lambda name: tensors[name].float()).eval()
 
 
-# ---------------------------------------------------------------- tokenizer
-
-
-class NativeTokenizer:
-    """What Embedder uses of a transformers tokenizer: the Rust tokenizer, the pad id
-    and the length limit."""
-
-    is_fast = True
-
-    def __init__(self, backend: Any, pad_token_id: int | None, model_max_length: int) -> None:
-        self._tokenizer = backend
-        self.pad_token_id = pad_token_id
-        self.model_max_length = model_max_length
-
-
-# AutoTokenizer's limit when the files name none (transformers' VERY_LARGE_INTEGER).
-UNLIMITED = int(1e30)
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    value = json.loads(path.read_text())
-    return value if isinstance(value, dict) else {}
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def special_tokens(path: Path) -> dict[str, Any]:
-    """tokenizer_config.json's settings, with special_tokens_map.json's tokens over them
-    unless the config has added_tokens_decoder (then the map is legacy and ignored), as
-    transformers reads them."""
-    settings = _json_object(path / "tokenizer_config.json")
-    if "added_tokens_decoder" not in settings:
-        settings.update(_json_object(path / "special_tokens_map.json"))
-    return settings
-
-
-def load_tokenizer(path: Path, model_type: str) -> NativeTokenizer:
-    """tokenizer.json through `tokenizers`, with AutoTokenizer's pad id, length limit
-    and (BERT) case/accents/CJK settings; Unsupported where those would need tokens
-    transformers adds to the vocabulary."""
-    from tokenizers import Tokenizer, normalizers
-
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        raise Unsupported("no tokenizer.json")
-    backend = Tokenizer.from_file(str(file))
-    settings = special_tokens(path)
-    for key in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
-        text = _token_text(settings.get(key))
-        if text is not None and backend.token_to_id(text) is None:
-            raise Unsupported(f"{key} {text!r} is not in tokenizer.json")
-    if model_type == "bert" and isinstance(backend.normalizer, normalizers.BertNormalizer):
-        _apply_bert_settings(backend, settings)
-    pad = _token_text(settings.get("pad_token")) or FAMILIES[model_type][1]
-    limit = settings.get("model_max_length", settings.get("max_len"))
-    return NativeTokenizer(
-        backend, backend.token_to_id(pad), int(limit) if limit is not None else UNLIMITED
-    )
-
-
-def _apply_bert_settings(backend: Any, settings: dict[str, Any]) -> None:
-    """tokenizer_config.json's do_lower_case / strip_accents / tokenize_chinese_chars
-    win over tokenizer.json's normaliser, as in transformers' BERT tokenizer."""
-    keys = ("do_lower_case", "strip_accents", "tokenize_chinese_chars")
-    if not any(key in settings for key in keys):
-        return
-    from tokenizers import normalizers
-
-    current = backend.normalizer
-    backend.normalizer = normalizers.BertNormalizer(
-        clean_text=current.clean_text,
-        handle_chinese_chars=settings.get("tokenize_chinese_chars", current.handle_chinese_chars),
-        strip_accents=settings.get("strip_accents", current.strip_accents),
-        lowercase=settings.get("do_lower_case", current.lowercase),
-    )
-
-
-def load(path: Path) -> tuple[NativeTokenizer, BertEncoder]:
-    """Tokenizer and encoder of a supported folder, or Unsupported (Incomplete) why not."""
-    config = read_config(path)
-    return load_tokenizer(path, config.model_type), load_encoder(path, config)
-
-
 __all__ = [
     "BertEncoder",
     "EncoderConfig",
     "Incomplete",
-    "NativeTokenizer",
     "Unsupported",
-    "load",
     "load_encoder",
-    "load_tokenizer",
     "supports",
 ]

@@ -44,8 +44,14 @@ from pipeline.host import (
 
 if TYPE_CHECKING:
     from pipeline.embedder import Embedder
+    from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger("pipeline")
+
+MODEL_HELP = (
+    "'default' (the packaged all-MiniLM-L6-v2), 'multilingual-e5-small' (the multilingual "
+    "extra), a local sentence-transformers or Hugging Face folder, or a hub id."
+)
 
 F = Callable[..., Any]
 
@@ -351,11 +357,7 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option("--max-in-flight", type=int)
 @_run_option("--precision", type=click.Choice(PRECISIONS))
 @_run_option("--device", type=click.Choice(DEVICES))
-@_run_option(
-    "--model",
-    help="'default' (the packaged all-MiniLM-L6-v2), 'multilingual-e5-small' (the "
-    "multilingual extra), a local directory or a hub id.",
-)
+@_run_option("--model", help=MODEL_HELP)
 @env_option(
     "--document-prompt",
     default=None,
@@ -366,6 +368,13 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "--query-prompt",
     default=None,
     help="Recorded for `pipeline search` [default: the model's own, e.g. e5's 'query: '].",
+)
+@env_option(
+    "--dimensions",
+    type=int,
+    default=None,
+    help="Matryoshka: store the first N values of each vector, normalised again where the "
+    "model normalises (sentence-transformers' truncate_dim) [default: the model's own, or all].",
 )
 @env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
 @_run_option("--text-field")
@@ -415,7 +424,15 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option(
     "--tokenizer-process",
     type=click.Choice(TOKENIZER_PROCESS),
-    help="Tokenize in a child process, a poll ahead of the poll loop [auto: with 2+ CPUs].",
+    help="Parse and tokenize in a child process, a poll ahead of the poll loop "
+    "[auto: with 2+ CPUs].",
+)
+@env_option(
+    "--tokenizer-processes",
+    type=int,
+    default=None,
+    help="How many such children, each taking a slice of every poll [default: 1 on the CPU; "
+    "beside a GPU, one per tokenizer thread of the plan].",
 )
 @env_option(
     "--replicas",
@@ -475,11 +492,16 @@ def _run_worker(config: WorkerConfig) -> None:
 
     log.info("configuration: %s", json.dumps(config.redacted(), sort_keys=True))
     _check_cluster(config)  # fail fast, before the seconds a model load takes
+    # What the model is, from its files, and whether the output holds another one's
+    # vectors: refused in seconds, before any weights load.
+    spec = _model_spec(config)
     shutdown = threading.Event()
     _install_signal_handlers(shutdown)
     # The model (torch's import included) loads while the worker checks the
     # cluster and its outputs; the worker waits for it before the first write.
-    model = start_on_fresh_thread(lambda: _load_model(config, _plan_cpu(config)), "model-load")
+    model = start_on_fresh_thread(
+        lambda: _load_model(config, spec, _plan_cpu(config)), "model-load"
+    )
     metrics = WorkerMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.metrics_port)
@@ -497,7 +519,20 @@ def _nvidia_present() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
-def _load_model(config: WorkerConfig, plan: CpuPlan) -> Embedder:
+def _model_spec(config: WorkerConfig) -> ModelSpec:
+    from pipeline.identity import check_output_model
+    from pipeline.model.spec import ModelSpec
+
+    spec = ModelSpec.read(
+        config.model, config.document_prompt, config.query_prompt, config.dimensions
+    )
+    # int8 is the one precision of another identity; auto never picks it.
+    kind = "int8" if config.precision == "int8" else "fp32"
+    check_output_model(config.output, spec.info(kind, config.device))
+    return spec
+
+
+def _load_model(config: WorkerConfig, spec: ModelSpec, plan: CpuPlan) -> Embedder:
     from pipeline.embedder import Embedder
     from pipeline.precision import resolve_precision
 
@@ -505,17 +540,14 @@ def _load_model(config: WorkerConfig, plan: CpuPlan) -> Embedder:
     if precision == "auto":
         from pipeline.corpus import sample_texts
 
-        precision = resolve_precision(
-            config.model, config.device, "auto", lambda: sample_texts(256)
-        )
+        precision = resolve_precision(spec, config.device, "auto", lambda: sample_texts(256))
     return Embedder.load_planned(
         config.model,
         precision,
         plan,
         config.sub_batch_tokens,
         config.shapes == "exact",
-        document_prompt=config.document_prompt,
-        query_prompt=config.query_prompt,
+        spec=spec,
     )
 
 
@@ -891,8 +923,10 @@ def model() -> None:
 
 
 @model.command("check")
-@env_option("--model", default="default", show_default=True)
+@env_option("--model", default="default", show_default=True, help=MODEL_HELP)
 @env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@env_option("--dimensions", type=int, default=None, help="Matryoshka truncation, as for run.")
+@env_option("--document-prompt", default=None, help="As for run [default: the model's own].")
 @click.option(
     "--precision",
     "precisions",
@@ -907,26 +941,51 @@ def model() -> None:
 def model_check(
     model: str,
     device: str,
+    dimensions: int | None,
+    document_prompt: str | None,
     precisions: tuple[str, ...],
     samples: int,
     min_cosine: float,
     min_recall: float,
     as_json: bool,
 ) -> None:
-    """Compare each precision with fp32 on real text: cosine, recall@10, texts/s."""
+    """What the worker will run for a model, its vectors against sentence-transformers'
+    (where installed), and each precision against fp32: cosine, recall@10, texts/s.
+    Exit 1 where the vectors differ from sentence-transformers'."""
     from dataclasses import asdict
 
     from pipeline.corpus import sample_texts
+    from pipeline.embedder import Embedder
+    from pipeline.model import check
+    from pipeline.model.spec import ModelSpec
     from pipeline.precision import Gate, check_precisions, choose, remember
 
+    spec = ModelSpec.read(model, document_prompt, None, dimensions)
+    plan = check.plan(spec)
+    if not as_json:
+        click.echo("\n".join(check.render_plan(plan)))
+    texts = sample_texts(samples)
+    parity = None
+    if check.reference_available():
+        embedder = Embedder.load(device="cpu", spec=spec)
+        try:
+            parity = check.against_reference(embedder, [*texts[:59], *check.EXTRA_TEXTS])
+        finally:
+            embedder.close()
+    if not as_json:
+        click.echo(_parity_line(parity))
     gate = Gate(min_cosine, min_recall)
-    reports = check_precisions(model, device, sample_texts(samples), list(precisions) or None, gate)
-    remember(model, reports[0].device, gate, reports)
+    reports = check_precisions(spec, device, texts, list(precisions) or None, gate)
+    remember(spec, reports[0].device, gate, reports)
     best = choose(reports)
     if as_json:
         click.echo(
             json.dumps(
                 {
+                    "model": plan,
+                    "sentence_transformers": None
+                    if parity is None
+                    else {**asdict(parity), "passed": parity.passed},
                     "gate": asdict(gate),
                     "choice": best.precision,
                     "reports": [asdict(r) for r in reports],
@@ -934,9 +993,28 @@ def model_check(
                 indent=2,
             )
         )
-        return
+    else:
+        _echo_precisions(reports, best, gate)
+    if parity is not None and not parity.passed:
+        sys.exit(1)
+
+
+def _parity_line(parity: Any) -> str:
+    from pipeline.model.check import PARITY_MIN_COSINE
+
+    if parity is None:
+        return "parity       not checked: sentence-transformers is not installed"
+    verdict = "PASS" if parity.passed else "DIFFERENT"
+    return (
+        f"parity       {verdict}: cosine to {parity.reference} on {parity.texts} texts "
+        f"(fp32, CPU): min {parity.cosine_min:.6f}, mean {parity.cosine_mean:.6f} "
+        f"(pass: min >= {PARITY_MIN_COSINE})"
+    )
+
+
+def _echo_precisions(reports: list[Any], best: Any, gate: Any) -> None:
     click.echo(
-        f"{'precision':<10}{'device':<8}{'cos mean':>10}{'cos min':>10}"
+        f"\n{'precision':<10}{'device':<8}{'cos mean':>10}{'cos min':>10}"
         f"{'recall@10':>11}{'texts/s':>10}  gate"
     )
     for r in reports:

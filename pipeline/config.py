@@ -124,6 +124,9 @@ class WorkerConfig:
     # (config_sentence_transformers.json), "" none.
     document_prompt: str | None = None
     query_prompt: str | None = None
+    # Matryoshka: keep the first N values of each vector (then normalised again where
+    # the model normalises); None: the model's own truncate_dim, or all.
+    dimensions: int | None = None
     dlq_topic: str | None = None
     text_field: str = "text"
     id_field: str = "id"
@@ -158,6 +161,9 @@ class WorkerConfig:
     # Tokenizing in a child process, a poll ahead of the poll loop
     # (consumers.tokenize_process): "auto" where this process may use 2 CPUs or more.
     tokenizer_process: str = "auto"
+    # How many, each taking a slice of every poll; None: one on the CPU, the plan's
+    # tokenizer threads beside a GPU.
+    tokenizer_processes: int | None = None
     # Model replicas and threads per replica; None: from the usable CPUs (pipeline.host).
     replicas: int | None = None
     torch_threads: int | None = None
@@ -197,6 +203,8 @@ class WorkerConfig:
             "replicas": "replicas",
             "torch_threads": "torch threads",
             "sub_batch_tokens": "sub-batch tokens",
+            "dimensions": "dimensions",
+            "tokenizer_processes": "tokenizer processes",
         }
         for name, label in optional.items():
             value = getattr(self, name)

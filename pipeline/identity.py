@@ -15,6 +15,10 @@ What has to match (the identity):
 - `pooling`, `normalization` and `max_length` (texts longer than it are cut);
 - the document prompt (e5's "passage: "): the same text with and without it gives
   different vectors;
+- the module stack (pipeline.model.stack: pooling modes, Dense and LayerNorm
+  modules, normalisation), the Matryoshka truncation, and `model_identity`, a hash
+  of all of it with the tokenizer's files and every module's weights
+  (pipeline.model.spec): outputs written before these were recorded skip them;
 - the precision's kind: int8 (dynamic quantisation, cosine 0.94 mean / 0.83 min
   against fp32 on our sample) against float. fp32, bf16 and fp16 of the same
   weights are one identity: `--precision auto` admits them only above a cosine of
@@ -34,8 +38,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
+from pipeline.model.spec import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,11 @@ COMPARED = (
     ("normalization", "normalisation"),
     ("max_length", "max length"),
     ("document_prompt", "document prompt"),
+    ("modules", "module stack"),
+    ("truncate_dim", "Matryoshka dimensions"),
+    # Everything that decides a vector, hashed (tokenizer files, module weights, ...):
+    # named last, it speaks for what the items above do not show.
+    ("model_identity", "model identity"),
 )
 ABSENT_MEANS = {"document_prompt": ""}
 # A worker reads at most this many footers before giving up on finding one (damaged
@@ -134,6 +143,9 @@ def _flags_for(recorded: Mapping[str, str], model: ModelInfo) -> str:
     prompt = recorded.get("document_prompt", "")
     if prompt != model.document_prompt:
         flags += f" --document-prompt {prompt!r}"
+    dimensions = recorded.get("truncate_dim", "")
+    if dimensions and dimensions != str(model.truncate_dim or ""):
+        flags += f" --dimensions {dimensions}"
     return flags
 
 

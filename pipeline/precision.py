@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.embedder import Embedder, cpu_has_native_bf16, pick_device, resolve_model_path
-from pipeline.embedder import weights_revision as _revision
+from pipeline.embedder import Embedder, cpu_has_native_bf16, pick_device
+from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def candidates_for(device: str) -> list[str]:
 
 
 def check_precisions(
-    model: str,
+    model: str | ModelSpec,
     device: str,
     texts: list[str],
     precisions: list[str] | None = None,
@@ -89,15 +89,18 @@ def check_precisions(
     sub_batch_tokens: int | None = None,
 ) -> list[PrecisionReport]:
     device = pick_device(device)
+    spec = _spec(model)
     wanted = candidates_for(device) if precisions is None else precisions
-    reference_model = Embedder.load(model, "fp32", device, sub_batch_tokens)
+    reference_model = Embedder.load(device=device, sub_batch_tokens=sub_batch_tokens, spec=spec)
     reference, fp32_rate = _timed_embed(reference_model, texts)
     del reference_model
     reports = [PrecisionReport("fp32", device, 1.0, 1.0, 1.0, fp32_rate, True)]
     for precision in wanted:
         if precision == "fp32":
             continue
-        embedder = Embedder.load(model, precision, device, sub_batch_tokens)
+        embedder = Embedder.load(
+            precision=precision, device=device, sub_batch_tokens=sub_batch_tokens, spec=spec
+        )
         vectors, rate = _timed_embed(embedder, texts)
         cos = cosine_rows(reference, vectors)
         recall = neighbour_recall(reference, vectors)
@@ -130,10 +133,18 @@ def cache_path() -> Path:
     return Path(base) / "embedding-pipeline" / "precision.json"
 
 
-def _cache_key(model: str, device: str) -> str:
-    _, path = resolve_model_path(model)
+def _spec(model: str | ModelSpec) -> ModelSpec:
+    return ModelSpec.read(model) if isinstance(model, str) else model
+
+
+def _identity(model: str | ModelSpec) -> str:
+    # The whole stack's: the same weights under another head are another model.
+    return _spec(model).identity
+
+
+def _cache_key(model: str | ModelSpec, device: str) -> str:
     hardware = cpu_model() if device == "cpu" else _gpu_model()
-    return f"{_revision(path)}|{device}|{hardware}"
+    return f"{_identity(model)}|{device}|{hardware}"
 
 
 def cpu_model() -> str:
@@ -152,7 +163,9 @@ def _gpu_model() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 
 
-def remember(model: str, device: str, gate: Gate, reports: list[PrecisionReport]) -> None:
+def remember(
+    model: str | ModelSpec, device: str, gate: Gate, reports: list[PrecisionReport]
+) -> None:
     path = cache_path()
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
@@ -173,7 +186,7 @@ def remember(model: str, device: str, gate: Gate, reports: list[PrecisionReport]
         log.warning("could not remember the precision choice in %s: %s", path, exc)
 
 
-def remembered(model: str, device: str, gate: Gate) -> str | None:
+def remembered(model: str | ModelSpec, device: str, gate: Gate) -> str | None:
     path = cache_path()
     try:
         entry = json.loads(path.read_text()).get(_cache_key(model, device))
@@ -185,7 +198,7 @@ def remembered(model: str, device: str, gate: Gate) -> str | None:
 
 
 def resolve_precision(
-    model: str,
+    model: str | ModelSpec,
     device: str,
     requested: str,
     texts: Callable[[], list[str]],

@@ -28,13 +28,19 @@ def search_output(
         _model_name(model),
         precision="fp32",
         device="cpu" if device == "auto" else device,
+        document_prompt=model.get("document_prompt"),
         query_prompt=query_prompt if query_prompt is not None else model.get("query_prompt"),
+        dimensions=int(model["truncate_dim"]) if model.get("truncate_dim") else None,
     )
-    if embedder.info.revision != model.get("model_revision", embedder.info.revision):
-        raise IndexStateError(
-            f"the index was built with {model.get('model')} {model.get('model_revision')}, "
-            f"but that model now loads as {embedder.info.revision}"
-        )
+    for key, ours in (
+        ("model_revision", embedder.info.revision),
+        ("model_identity", embedder.info.identity),
+    ):
+        if model.get(key, ours) != ours:
+            raise IndexStateError(
+                f"the index was built with {model.get('model')} ({key} {model.get(key)}), "
+                f"but that model now loads as {ours}"
+            )
     hits = store.search(embedder.embed_queries([query]), k)[0]
     # Read again if a compaction exchanged the files meanwhile (sinks.vectors_swap).
     rows = read_consistently(output, lambda: [_row(output, hit) for hit in hits])

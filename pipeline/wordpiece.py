@@ -117,11 +117,13 @@ class FastWordPiece:
         sep: str,
         max_length: int,
     ) -> None:
-        self._vocab = vocab
         self._lowercase = lowercase
         self._words = _UNCASED_WORDS if lowercase else _CASED_WORDS
-        self._prefix = prefix
-        self._max_word_chars = max_word_chars
+        # A word met for the first time is cut by the Rust tokenizer's own WordPiece
+        # model (nothing around it: the word is already normalised and split), all the
+        # new words of a poll in one call: cutting them here, in Python, cost several
+        # times the Rust tokenizer's time on corpora of new words (ids, hashes, names).
+        self._word_model = _word_model(vocab, unk, prefix, max_word_chars)
         self._unk = vocab[unk]
         self._cls = vocab[cls]
         self._sep = vocab[sep]
@@ -207,6 +209,7 @@ class FastWordPiece:
             words = self.unicode.words(text)
         found = list(map(self._memo.get, words))
         if None in found:
+            self._learn(words)
             found = [self._memo.get(word) or self._pieces(word) for word in words]
         ids = [self._cls, *chain.from_iterable(found)]
         truncated = len(ids) - 1 > self._max_body
@@ -280,7 +283,9 @@ class FastWordPiece:
         # The chunks' pieces gathered from arrays (a dict lookup a chunk), not joined
         # as Python lists: a third less CPU a text.
         chunks = self._ascii_chunks(texts)
-        return None if chunks is None else self._table.pieces(chunks, self._memo_pieces)[0]
+        if chunks is None:
+            return None
+        return self._table.pieces(chunks, self._memo_pieces, self._learn_chunks)[0]
 
     def _unicode_joined_pieces(self, texts: list[str]) -> np.ndarray | None:
         rules, splitter = self.unicode, self._splitter
@@ -289,7 +294,7 @@ class FastWordPiece:
         if joined is None:
             return None
         words = splitter.split(joined)
-        return words.pieces(*self._table.pieces(words.runs, self._word_pieces))
+        return words.pieces(*self._table.pieces(words.runs, self._word_pieces, self._learn))
 
     def _ascii_chunks(self, texts: list[str]) -> list[str] | None:
         """The texts' whitespace-delimited chunks in turn, an end mark between two
@@ -309,6 +314,7 @@ class FastWordPiece:
         try:
             return list(chain.from_iterable(map(self._memo.get, chunks)))
         except TypeError:  # a chunk not met before (None)
+            self._learn_chunks([chunk for chunk in chunks if chunk not in self._memo])
             return list(chain.from_iterable(map(self._memo_pieces, chunks)))
 
     def _memo_pieces(self, chunk: str) -> list[int]:
@@ -345,6 +351,30 @@ class FastWordPiece:
         self._remember(chunk, pieces)
         return pieces
 
+    def _learn_chunks(self, chunks: list[str]) -> None:
+        """Learns the new words of these ASCII chunks all at once (see `_learn`), then
+        the chunks' pieces."""
+        split = [(c, self._words.findall(c)) for c in chunks if c not in self._memo]
+        self._learn([word for _, words in split for word in words])
+        for chunk, words in split:
+            if words != [chunk]:  # a chunk of one word is that word's memo entry
+                found = (self._memo.get(word) or self._pieces(word) for word in words)
+                self._remember(chunk, list(chain.from_iterable(found)))
+
+    def _learn(self, words: list[str]) -> None:
+        """Cuts the words not met before into pieces with one call of the Rust
+        WordPiece model and remembers them (as many as the memo holds: the callers
+        cut any word it lacks on its own)."""
+        unique = list(dict.fromkeys(words))
+        new = [word for word in unique if word not in self._memo]
+        if not new:
+            return
+        if len(self._memo) + len(new) > MAX_REMEMBERED_WORDS:
+            self.forget_words()  # rare; the common words come back at once
+            new = unique[: MAX_REMEMBERED_WORDS - len(self._memo)]
+        for word, encoding in zip(new, self._word_model.encode_batch(new), strict=True):
+            self._memo[word] = encoding.ids
+
     def _split_at_ends(self, flat: list[int], count: int) -> tuple[list[list[int]], int]:
         cls, sep, max_body = self._cls, self._sep, self._max_body
         out: list[list[int]] = []
@@ -368,8 +398,7 @@ class FastWordPiece:
         return self._words.findall(text)
 
     def _pieces(self, word: str) -> list[int]:
-        too_long = len(word) > self._max_word_chars
-        pieces = [self._unk] if too_long else self._longest_first(word)
+        pieces: list[int] = self._word_model.encode(word).ids
         self._remember(word, pieces)
         return pieces
 
@@ -377,23 +406,6 @@ class FastWordPiece:
         if len(self._memo) >= MAX_REMEMBERED_WORDS:
             self.forget_words()  # rare; the common words come back at once
         self._memo[key] = pieces
-
-    def _longest_first(self, word: str) -> list[int]:
-        """WordPiece's greedy longest-match-first; the whole word is [UNK] when a
-        part of it matches nothing."""
-        pieces: list[int] = []
-        start = 0
-        while start < len(word):
-            for end in range(len(word), start, -1):
-                part = word[start:end] if start == 0 else self._prefix + word[start:end]
-                piece = self._vocab.get(part)
-                if piece is not None:
-                    pieces.append(piece)
-                    start = end
-                    break
-            else:
-                return [self._unk]
-        return pieces
 
 
 class _PieceTable:
@@ -416,10 +428,13 @@ class _PieceTable:
         self._filled = 0
 
     def pieces(
-        self, chunks: list[str], pieces_of: Callable[[str], list[int]]
+        self,
+        chunks: list[str],
+        pieces_of: Callable[[str], list[int]],
+        learn: Callable[[list[str]], None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The chunks' pieces end to end (int32) and how many each has; `pieces_of`
-        gives a new chunk's."""
+        gives a new chunk's, after `learn` was told all the new ones at once."""
         if len(self._slots) >= MAX_REMEMBERED_WORDS:
             self._clear()
         slots = np.fromiter(map(self._slots.get, chunks, repeat(-1)), np.int64, len(chunks))
@@ -427,7 +442,10 @@ class _PieceTable:
         if len(missing):
             # Added all at once: a corpus's tail brings new chunks in most polls.
             new = [chunks[i] for i in missing.tolist()]
-            self._add(list(dict.fromkeys(new)), pieces_of)
+            unique = list(dict.fromkeys(new))
+            if learn is not None:
+                learn(unique)
+            self._add(unique, pieces_of)
             slots[missing] = list(map(self._slots.__getitem__, new))
         lengths = self._lengths[slots]
         ends = np.cumsum(lengths)
@@ -666,6 +684,20 @@ def _chars_class(chars: Iterable[str]) -> str:
     return "".join(parts)
 
 
+def _word_model(vocab: dict[str, int], unk: str, prefix: str, max_word_chars: int) -> Any:
+    """A Rust tokenizer of the WordPiece model alone: a normalised word in, its pieces out."""
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(
+        models.WordPiece(
+            vocab,
+            unk_token=unk,
+            continuing_subword_prefix=prefix,
+            max_input_chars_per_word=max_word_chars,
+        )
+    )
+
+
 def _escape(char: str) -> str:
     return f"\\U{ord(char):08x}"
 
@@ -707,12 +739,23 @@ def encode_taken_flat(
             groups.append((indices, group_ids, group_offsets))
             truncated += cut
     if others and rust_tokenizer is not None:
-        encodings = rust_tokenizer.encode_batch([texts[i] for i in others], add_special_tokens=True)
-        groups.append((others, *_end_to_end([e.ids for e in encodings])))
-        truncated += sum(bool(e.overflowing) for e in encodings)
+        other_ids, other_offsets, cut, _ = encode_rust_flat(
+            rust_tokenizer, [texts[i] for i in others]
+        )
+        groups.append((others, other_ids, other_offsets))
+        truncated += cut
         others = []
     ids, offsets = _merged(len(texts), groups)
     return ids, offsets, truncated, others
+
+
+def encode_rust_flat(
+    rust_tokenizer: Any, texts: list[str]
+) -> tuple[np.ndarray, np.ndarray, int, list[int]]:
+    """`encode_taken_flat`'s arrays, every text through the Rust tokenizer."""
+    encodings = rust_tokenizer.encode_batch(texts, add_special_tokens=True)
+    ids, offsets = _end_to_end([e.ids for e in encodings])
+    return ids, offsets, sum(bool(e.overflowing) for e in encodings), []
 
 
 def _partition(texts: list[str], goes_alone: Callable[[str], bool]) -> tuple[list[int], list[int]]:

@@ -58,9 +58,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pipeline.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
-from pipeline.embedder import Embedder, pick_device, read_sentence_config, resolve_model_path
+from pipeline.embedder import Embedder, pick_device
 from pipeline.errors import PipelineError
 from pipeline.host import call_on_fresh_thread
+from pipeline.model.spec import ModelSpec, resolve_model_path
 from pipeline.precision import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_RECALL,
@@ -417,7 +418,7 @@ class NaiveModel:
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = AutoModel.from_pretrained(str(model_dir)).to(device).eval()
-        self.max_length = read_sentence_config(model_dir)[2] or self.tokenizer.model_max_length
+        self.max_length = ModelSpec.read(str(model_dir)).max_length
         self.real_tokens = 0
         self.computed_tokens = 0
 

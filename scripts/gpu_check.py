@@ -187,14 +187,7 @@ def end_to_end(embedder: Embedder, batches: list[list[str]], device: str) -> dic
 
 def with_replicas(embedder: Embedder, replicas: int, tokenizer_threads: int) -> Embedder:
     """The same loaded weights, driven by `replicas` threads."""
-    return Embedder(
-        embedder._tokenizer,
-        embedder._model,
-        embedder.info,
-        embedder.sub_batch_tokens,
-        replicas=replicas,
-        tokenizer_threads=tokenizer_threads,
-    )
+    return embedder.with_replicas(replicas, tokenizer_threads=tokenizer_threads)
 
 
 def faiss_check(vectors: np.ndarray) -> dict[str, Any]:

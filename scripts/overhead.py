@@ -61,10 +61,10 @@ _FIRST = re.compile(r"first record polled (?P<s>[\d.]+)s after process start")
 
 def publish(kafka: KafkaSettings, records: int, partitions: int, corpus: str = "english") -> str:
     from kafka import KafkaProducer
-    from tokenize_bench import FOUND_CJK, corpora
+    from tokenize_bench import CORPORA
 
-    texts = corpora(records, FOUND_CJK).get(corpus)
-    if texts is None:
+    texts = CORPORA[corpus](records) if corpus in CORPORA else None
+    if not texts:
         raise SystemExit(
             f"overhead: no {corpus} text on this machine (see scripts/tokenize_bench.py)"
         )

@@ -83,7 +83,7 @@ def _is_complete(directory: Path, recipe: Recipe) -> bool:
 
 
 def _default_model_dir() -> Path:
-    from pipeline.embedder import resolve_model_path
+    from pipeline.model.spec import resolve_model_path
 
     return resolve_model_path("default")[1]
 

@@ -1,165 +1,287 @@
 #!/usr/bin/env python3
-"""The tokenizer on the CPU: the Rust tokenizer against pipeline.wordpiece's fast path.
+"""The tokenizer by measurement: pipeline.wordpiece's hand-written path against the
+Rust tokenizer, on corpora it has not seen, cold and warm, side by side in one run.
 
-Side by side in one process, on the same texts, per corpus:
+Corpora (built on this machine, nothing downloaded):
 
   english  paragraphs of the standard library's docstrings (pipeline.corpus);
-  chinese  real Chinese, Japanese and Korean text found on this machine (the UTF-8
-           samples of Python's test/cjkencodings, GnuPG's zh_CN help) and any
-           --file given (UTF-8 text; paragraphs, else lines);
-  mixed    the two interleaved: a Chinese paragraph, then an English one.
+  chinese  the Simplified and Traditional Chinese translations of this machine's
+           gettext catalogues (/usr/share/locale/zh_*), else Python's CJK test files;
+  code     runs of four lines of the standard library's source;
+  logs     generated log lines: timestamps, hex request ids, IPs, paths (a new word
+           in nearly every field: the hand-written path's worst case);
+  mixed    a Chinese and an English text in turn, and code-switched lines.
 
-For each: the share of texts the fast path takes (the rest go to the Rust
-tokenizer, as in the worker), CPU µs per text (all threads: the Rust tokenizer
-runs on several) and wall µs per text, through `Embedder.tokenize` with the fast
-path and with PIPELINE_TOKENIZER=rust, and whether every id agreed. The fast path
-runs twice: first with every text new to it, then again (words and whitespace-
-delimited chunks remembered: a corpus whose vocabulary repeats, as real ones do).
-"array" is the same fast path as the worker's tokenizer process runs it
-(`wordpiece.encode_taken_flat`: every text's ids in one array, the texts it leaves
-to the Rust tokenizer not counted), first and again, on a fresh instance.
+Each corpus is split in halves. "cold" is the first half on a fresh tokenizer
+(the hand-written path's start-up, its tables, is timed apart as "setup");
+"warm" is the second half after it (a corpus whose words recur, as real ones
+do); "again" the second half once more.
 
-    .venv/bin/python scripts/tokenize_bench.py [--model default] [--texts 20000]
-        [--file FILE ...] [--json FILE]
+Where: "in-process" is CPU µs per text on one thread (the poll loop's cost when
+the tokenizer process is off). "process xN" is the worker's tokenizer process
+(consumers.tokenize_process), N of them each taking a slice of every poll of
+1,024 records: wall µs per text from the first poll submitted to the last answer,
+parsing included, as the worker sees it. Every mode's ids are compared with the
+Rust tokenizer's.
+
+    .venv/bin/python scripts/tokenize_bench.py [--model default] [--texts 8000]
+        [--processes 2] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import gettext
 import glob
 import json
+import os
+import random
 import sys
 import sysconfig
 import time
 from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pipeline.corpus import sample_texts  # noqa: E402
-
-if TYPE_CHECKING:
-    from pipeline.embedder import Embedder
+POLL = 1024
 
 
-FOUND_CJK = [
-    *sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "test/cjkencodings/*-utf8.txt"))),
-    "/usr/share/gnupg/help.zh_CN.txt",
-]
+def english(count: int) -> list[str]:
+    from pipeline.corpus import sample_texts
+
+    return sample_texts(count, seed=11)
 
 
-def cjk_texts(files: list[str]) -> list[str]:
+def chinese(count: int) -> list[str]:
     texts: list[str] = []
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            continue
-        data = path.read_text(encoding="utf-8", errors="replace")
-        paragraphs = [p.strip() for p in data.split("\n\n") if len(p.strip()) > 10]
-        lines = [line.strip() for line in data.splitlines() if len(line.strip()) > 10]
-        texts += paragraphs if len(paragraphs) > 3 else lines
-    return texts
+    for lang in ("zh_CN", "zh_TW"):
+        for path in sorted(glob.glob(f"/usr/share/locale/{lang}/LC_MESSAGES/*.mo")):
+            try:
+                with open(path, "rb") as fh:
+                    catalog = gettext.GNUTranslations(fh)._catalog  # type: ignore[attr-defined]
+            except (OSError, ValueError):
+                continue
+            texts += [v.replace("\n", " ") for v in catalog.values() if isinstance(v, str)]
+    texts = [t for t in dict.fromkeys(texts) if len(t) >= 12 and not t.isascii()]
+    if len(texts) < 100:
+        stdlib = Path(sysconfig.get_paths()["stdlib"]) / "test" / "cjkencodings"
+        for path in sorted(stdlib.glob("*-utf8.txt")):
+            texts += [line for line in path.read_text(errors="replace").splitlines() if line]
+    random.Random(2).shuffle(texts)
+    return _cycle(texts, count)
 
 
-def corpora(count: int, files: list[str]) -> dict[str, list[str]]:
-    english = sample_texts(count)
-    found = cjk_texts(files)
-    result = {"english": english}
-    if found:
-        chinese = [found[i % len(found)] for i in range(count)]
-        result["chinese"] = chinese
-        result["mixed"] = [
-            chinese[i // 2] if i % 2 else english[(i // 2) % len(english)] for i in range(count)
-        ]
-    return result
+def code(count: int) -> list[str]:
+    texts: list[str] = []
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py")):
+        lines = path.read_text(errors="replace").splitlines()
+        for i in range(0, len(lines), 4):
+            chunk = "\n".join(lines[i : i + 4])
+            if len(chunk.strip()) > 30:
+                texts.append(chunk)
+        if len(texts) >= count:
+            break
+    random.Random(3).shuffle(texts)
+    return _cycle(texts, count)
 
 
-def timed(embedder: Embedder, texts: list[str]) -> tuple[list[list[int]], float, float]:
-    cpu, wall = time.process_time(), time.perf_counter()
-    ids = embedder.tokenize(texts).ids
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    return ids, cpu / len(texts) * 1e6, wall / len(texts) * 1e6
+def logs(count: int) -> list[str]:
+    rng = random.Random(4)
+    levels, services = ["INFO", "WARN", "ERROR", "DEBUG"], ["api", "db", "auth", "cache"]
+    return [
+        f"2026-11-{rng.randint(1, 30):02d}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:"
+        f"{rng.randint(0, 59):02d}.{rng.randint(0, 999):03d}Z {rng.choice(levels)} "
+        f"[{rng.choice(services)}-{rng.randint(1, 40)}] req={rng.getrandbits(64):016x} "
+        f"user={rng.randint(1000, 999999)} ip=10.{rng.randint(0, 255)}.{rng.randint(0, 255)}."
+        f"{rng.randint(0, 255)} path=/v{rng.randint(1, 3)}/items/{rng.getrandbits(32):08x} "
+        f"status={rng.choice([200, 201, 404, 500, 503])} took={rng.random() * 900:.2f}ms"
+        for _ in range(count)
+    ]
 
 
-def timed_array(fast: Any, texts: list[str]) -> tuple[list[list[int] | None], float]:
-    """The ids as the tokenizer process gives them (None for texts it leaves to the
-    Rust tokenizer) and the CPU µs a text."""
+def mixed(count: int) -> list[str]:
+    zh, en = chinese(count), english(count)
+    if not zh:
+        return []
+    rng = random.Random(5)
+    out = []
+    for i in range(count):
+        if i % 3 == 2:
+            words = en[i].split()[:8]
+            out.append(f"{zh[i][:20]} {' '.join(words)} {zh[(i + 7) % count][:10]}")
+        else:
+            out.append(zh[i] if i % 2 else en[i])
+    rng.shuffle(out)
+    return out
+
+
+CORPORA = {"english": english, "chinese": chinese, "code": code, "logs": logs, "mixed": mixed}
+
+
+def _cycle(texts: list[str], count: int) -> list[str]:
+    if not texts:
+        return []
+    out = list(texts[:count])
+    while len(out) < count:
+        out += [f"{t} ({len(out)})" for t in texts[: count - len(out)]]
+    return out
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def rust_in_process(rust: Any, texts: list[str]) -> tuple[list[list[int]], float]:
+    started = time.process_time()
+    ids = [e.ids for e in rust.encode_batch(texts, add_special_tokens=True)]
+    return ids, _per_text_us(time.process_time() - started, texts)
+
+
+def fast_in_process(fast: Any, rust: Any, texts: list[str]) -> tuple[list[list[int]], float]:
     from pipeline import wordpiece
 
-    cpu = time.process_time()
-    flat, offsets, _, others = wordpiece.encode_taken_flat(fast, texts)
-    cpu = time.process_time() - cpu
-    ids: list[list[int] | None] = [flat[a:b].tolist() for a, b in pairwise(offsets)]
-    for i in others:
-        ids[i] = None
-    return ids, cpu / len(texts) * 1e6
+    started = time.process_time()
+    flat, offsets, _, _ = wordpiece.encode_taken_flat(fast, texts, rust)
+    seconds = time.process_time() - started
+    ids = [flat[a:b].tolist() for a, b in pairwise(offsets.tolist())]
+    return ids, _per_text_us(seconds, texts)
+
+
+def through_processes(
+    tokenizer_json: str, max_length: int, fast_path: bool, processes: int, halves: list[list[str]]
+) -> tuple[float, list[tuple[list[list[int]], float]]]:
+    """Start-up ms, and per half: (ids, wall µs a text) through `processes` children."""
+    from consumers.tokenize_process import TokenizerProcess
+    from pipeline.records import SourceRecord
+
+    started = time.perf_counter()
+    children = [
+        TokenizerProcess(tokenizer_json, max_length, fast_path=fast_path) for _ in range(processes)
+    ]
+    for child in children:
+        child.ready()
+    setup_ms = (time.perf_counter() - started) * 1000
+    results = []
+    try:
+        for texts in halves:
+            values = [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts]
+            ids: list[list[int]] = []
+            began = time.perf_counter()
+            for start in range(0, len(values), POLL):
+                poll = values[start : start + POLL]
+                share = -(-len(poll) // processes)
+                slices = [poll[i : i + share] for i in range(0, len(poll), share)]
+                for child, part in zip(children, slices, strict=False):
+                    child.submit_values(part)
+                for child, part in zip(children, slices, strict=False):
+                    sources = [SourceRecord("t", 0, n, 0, None, v) for n, v in enumerate(part)]
+                    _, part_ids, _ = child.parsed_result(sources)
+                    ids += [list(map(int, one)) for one in part_ids]
+            results.append((ids, _per_text_us(time.perf_counter() - began, texts)))
+    finally:
+        for child in children:
+            child.close()
+    return setup_ms, results
+
+
+def _per_text_us(seconds: float, texts: list[str]) -> float:
+    return seconds / max(1, len(texts)) * 1e6
+
+
+def measure(name: str, texts: list[str], spec: Any, processes: list[int]) -> dict[str, Any]:
+    from pipeline import wordpiece
+
+    half = len(texts) // 2
+    cold, warm = texts[:half], texts[half:]
+    rust = spec.tokenizer.backend(spec.max_length)
+    row: dict[str, Any] = {"corpus": name, "texts": len(texts)}
+    row["mean_chars"] = round(sum(map(len, texts)) / len(texts), 1)
+    expected_cold, row["rust_cold_us"] = rust_in_process(rust, cold)
+    expected_warm, row["rust_warm_us"] = rust_in_process(rust, warm)
+    started = time.perf_counter()
+    fast = wordpiece.for_tokenizer(rust, spec.max_length)
+    if fast is not None:
+        fast.unicode_rules()
+    row["fast_setup_ms"] = round((time.perf_counter() - started) * 1000, 1)
+    equal = True
+    if fast is not None:
+        row["taken"] = round(sum(fast.handles_many(texts)) / len(texts), 4)
+        got, row["fast_cold_us"] = fast_in_process(fast, rust, cold)
+        equal &= got == expected_cold
+        got, row["fast_warm_us"] = fast_in_process(fast, rust, warm)
+        equal &= got == expected_warm
+        got, row["fast_again_us"] = fast_in_process(fast, rust, warm)
+        equal &= got == expected_warm
+    tokenizer_json = rust.to_str()
+    for count in processes:
+        for mode, fast_path in (("rust", False), ("fast", True)):
+            if fast_path and fast is None:
+                continue
+            setup_ms, halves = through_processes(
+                tokenizer_json, spec.max_length, fast_path, count, [cold, warm]
+            )
+            row[f"process{count}_{mode}_setup_ms"] = round(setup_ms)
+            for label, (ids, us), expected in zip(
+                ("cold", "warm"), halves, (expected_cold, expected_warm), strict=True
+            ):
+                row[f"process{count}_{mode}_{label}_us"] = round(us, 1)
+                equal &= ids == expected
+    row["ids_equal"] = equal
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def render(rows: list[dict[str, Any]], processes: list[int]) -> list[str]:
+    lines = [
+        "µs per text (in-process: CPU, one thread; process xN: wall, parsing included); "
+        "cold / warm",
+        f"{'corpus':<9}{'chars':>6}  {'rust':>13}  {'hand-written':>13}  {'again':>5}  "
+        + "  ".join(
+            f"{'x' + str(n) + ' rust':>13}  {'x' + str(n) + ' hand':>13}" for n in processes
+        )
+        + "  setup ms  ids",
+    ]
+    for r in rows:
+        cells = [
+            f"{r['corpus']:<9}{r['mean_chars']:>6.0f}",
+            f"{r['rust_cold_us']:>6.1f}/{r['rust_warm_us']:<6.1f}",
+            f"{r.get('fast_cold_us', 0):>6.1f}/{r.get('fast_warm_us', 0):<6.1f}",
+            f"{r.get('fast_again_us', 0):>5.1f}",
+        ]
+        for n in processes:
+            cells.append(
+                f"{r[f'process{n}_rust_cold_us']:>6.1f}/{r[f'process{n}_rust_warm_us']:<6.1f}"
+            )
+            fast_cold = r.get(f"process{n}_fast_cold_us", 0)
+            cells.append(f"{fast_cold:>6.1f}/{r.get(f'process{n}_fast_warm_us', 0):<6.1f}")
+        cells.append(f"{r.get('fast_setup_ms', 0):>8.0f}  {'yes' if r['ids_equal'] else 'NO'}")
+        lines.append("  ".join(cells))
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--texts", type=int, default=20_000)
-    parser.add_argument("--file", action="append", default=[])
+    parser.add_argument("--texts", type=int, default=8000)
+    parser.add_argument("--processes", type=int, default=2, help="the most children to try")
+    parser.add_argument("--corpus", action="append", choices=sorted(CORPORA), default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    # Imported here: scripts/overhead.py takes only the corpora, without torch.
-    from tokenizers import Tokenizer
+    from pipeline.model.spec import ModelSpec
 
-    from pipeline import wordpiece
-    from pipeline.embedder import Embedder
-
-    embedder = Embedder.load(args.model, device="cpu")
-    fast = embedder._wordpiece
-    if fast is None:
-        raise SystemExit(f"tokenize_bench: {args.model}'s tokenizer has no fast path")
-    rows: list[dict[str, Any]] = []
-    for name, texts in corpora(args.texts, [*args.file, *FOUND_CJK]).items():
-        embedder.tokenize(texts[:200])  # warm both paths' memos and pools alike
-        fast_ids, fast_cpu, fast_wall = timed(embedder, texts)
-        # Again, every word and chunk now known: a corpus whose vocabulary repeats.
-        warm_ids, warm_cpu, _ = timed(embedder, texts)
-        embedder._wordpiece = None
-        rust_ids, rust_cpu, rust_wall = timed(embedder, texts)
-        embedder._wordpiece = fast
-        array = wordpiece.for_tokenizer(
-            Tokenizer.from_str(embedder.tokenizer_json()), embedder.info.max_length
-        )
-        assert array is not None
-        timed_array(array, texts[:200])
-        array_ids, array_cpu = timed_array(array, texts)
-        array_again_ids, array_warm_cpu = timed_array(array, texts)
-        array_equal = array_ids == array_again_ids and all(
-            mine is None or mine == theirs for mine, theirs in zip(array_ids, rust_ids, strict=True)
-        )
-        rows.append({
-            "corpus": name,
-            "texts": len(texts),
-            "mean_chars": round(sum(map(len, texts)) / len(texts), 1),
-            "taken": round(sum(map(fast.handles, texts)) / len(texts), 4),
-            "rust_cpu_us": round(rust_cpu, 1),
-            "fast_cpu_us": round(fast_cpu, 1),
-            "fast_warm_cpu_us": round(warm_cpu, 1),
-            "rust_wall_us": round(rust_wall, 1),
-            "fast_wall_us": round(fast_wall, 1),
-            "cpu_ratio": round(fast_cpu / rust_cpu, 3),
-            "array_cpu_us": round(array_cpu, 1),
-            "array_warm_cpu_us": round(array_warm_cpu, 1),
-            "ids_equal": fast_ids == rust_ids == warm_ids and array_equal,
-        })  # fmt: skip
-    print(f"tokenizer ({args.model}), µs per text; ratio = fast CPU / Rust CPU")
-    for r in rows:
-        print(
-            f"  {r['corpus']:<8} {r['texts']:>6} texts of {r['mean_chars']:>6} chars, "
-            f"{r['taken']:.1%} taken: CPU rust {r['rust_cpu_us']:6.1f} fast "
-            f"{r['fast_cpu_us']:6.1f} (ratio {r['cpu_ratio']:.2f}), again "
-            f"{r['fast_warm_cpu_us']:.1f}; wall rust {r['rust_wall_us']:6.1f} fast "
-            f"{r['fast_wall_us']:6.1f}; array {r['array_cpu_us']:.1f}, again "
-            f"{r['array_warm_cpu_us']:.1f}; ids equal: {r['ids_equal']}"
-        )
-    if "chinese" not in {r["corpus"] for r in rows}:
-        print("  (no Chinese text found on this machine: pass --file)")
+    spec = ModelSpec.read(args.model)
+    processes = sorted({1, max(1, args.processes)})
+    rows = []
+    for name in args.corpus or list(CORPORA):
+        texts = CORPORA[name](args.texts)
+        if texts:
+            rows.append(measure(name, texts, spec, processes))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    print(f"tokenizer of {spec.name}, {args.texts} texts a corpus")
+    print("\n".join(render(rows, processes)))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0 if all(r["ids_equal"] for r in rows) else 1

@@ -33,9 +33,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
 from pipeline.host import fsync_dir
+from pipeline.model.spec import ModelInfo
 from pipeline.records import GoodRecord
 from sinks.layout import TMP_SUFFIX, VECTORS_DIR, Output, SegmentKey, vectors_dir, vectors_key
 from sinks.segments import segment_metadata

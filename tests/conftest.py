@@ -19,6 +19,22 @@ REPO = Path(__file__).resolve().parents[1]
 BOOTSTRAP = os.environ.get("PIPELINE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_metadata_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Resolved tokenizers and weights hashes (pipeline.model) in a cache of the
+    session's own, for workers too: a test never reads what another code left."""
+    from pipeline.model.tokenizer import CACHE_ENV
+
+    cache = tmp_path_factory.mktemp("model-metadata")
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(cache)
+    yield cache
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def broker() -> str:
     """Starts scripts/dev-kafka.sh once per session (idempotent) and returns bootstrap."""

@@ -21,8 +21,9 @@ import torch
 
 from pipeline import bert
 from pipeline.corpus import sample_texts
-from pipeline.embedder import Embedder, Tokenized, activation_bytes_per_token, resolve_model_path
+from pipeline.embedder import Embedder, Tokenized, activation_bytes_per_token
 from pipeline.errors import ModelError
+from pipeline.model.spec import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -80,25 +81,49 @@ def reference(path: Path) -> Any:
 # ------------------------------------------------------------------ tokenizer
 
 
-def test_tokenizer_matches_autotokenizer(model_path: Path, texts: list[str]) -> None:
+def test_the_resolved_tokenizer_is_autotokenizers(model_path: Path, texts: list[str]) -> None:
+    """The tokenizer the pipeline runs is the one transformers builds from the folder,
+    read back from the metadata cache without transformers."""
     from transformers import AutoTokenizer
 
-    ours = bert.load_tokenizer(model_path, "bert")
+    from pipeline.model import tokenizer as resolved_tokenizers
+    from pipeline.model.spec import ModelSpec
+
+    spec = ModelSpec.read(str(model_path))
     theirs = AutoTokenizer.from_pretrained(str(model_path))
-    assert ours.pad_token_id == theirs.pad_token_id
-    assert ours.model_max_length == theirs.model_max_length
-    for tokenizer in (ours._tokenizer, theirs._tokenizer):
-        tokenizer.enable_truncation(128)
-        tokenizer.no_padding()
-    ids = [e.ids for e in ours._tokenizer.encode_batch(texts)]
-    assert ids == [e.ids for e in theirs._tokenizer.encode_batch(texts)]
+    assert spec.tokenizer.pad_token_id == theirs.pad_token_id
+    ids = [e.ids for e in spec.tokenizer.backend(128).encode_batch(texts)]
     assert ids == theirs(texts, truncation=True, max_length=128)["input_ids"]
     assert any(theirs.unk_token_id in row for row in ids)  # the CJK rows: mostly [UNK]
+    again = resolved_tokenizers.resolve(spec.stack.transformer, 512)
+    assert again == spec.tokenizer
 
 
-def test_tokenizer_limits_as_autotokenizer_reads_them(tiny_model: str, tmp_path: Path) -> None:
-    """No model_max_length: unlimited (the embedder then takes the position limit); a
-    pad token named in special_tokens_map.json wins over the config's, as in transformers."""
+def test_a_cached_tokenizer_needs_no_transformers(tiny_model: str) -> None:
+    code = (
+        "import sys\n"
+        "from pipeline.model.spec import ModelSpec\n"
+        f"spec = ModelSpec.read({tiny_model!r})\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True, text=True, cwd=REPO, env={**os.environ, **OFFLINE}, timeout=300,
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    assert runs[1].stdout.strip() == "False"  # the second read the cache
+
+
+def test_tokenizer_limits_as_sentence_transformers_reads_them(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """No model_max_length: the position limit (sentence-transformers caps the
+    tokenizer's with max_position_embeddings) unless sentence_bert_config.json names
+    one; a pad token named in special_tokens_map.json wins over the config's, as in
+    transformers."""
     from transformers import AutoTokenizer
 
     folder = copy_model(Path(tiny_model), tmp_path / "m")
@@ -106,20 +131,21 @@ def test_tokenizer_limits_as_autotokenizer_reads_them(tiny_model: str, tmp_path:
     del config["model_max_length"]
     config["pad_token"] = "[MASK]"
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    ours = bert.load_tokenizer(folder, "bert")
     theirs = AutoTokenizer.from_pretrained(str(folder))
-    assert ours.model_max_length == theirs.model_max_length == bert.UNLIMITED
-    assert ours.pad_token_id == theirs.pad_token_id == 0  # [PAD], from the map
     embedder = Embedder.load(str(folder))
+    assert embedder.spec.tokenizer.pad_token_id == theirs.pad_token_id
     assert embedder.info.max_length == 128  # sentence_bert_config.json's
+    (folder / "sentence_bert_config.json").write_text("{}")
+    assert Embedder.load(str(folder)).info.max_length == 512  # the positions'
 
 
 # ------------------------------------------------------------------ hidden states
 
 
 def test_last_hidden_state_matches_transformers(model_path: Path, texts: list[str]) -> None:
-    tokenizer = bert.load_tokenizer(model_path, "bert")._tokenizer
-    tokenizer.enable_truncation(256)
+    from pipeline.model.spec import ModelSpec
+
+    tokenizer = ModelSpec.read(str(model_path)).tokenizer.backend(256)
     rows = [e.ids for e in tokenizer.encode_batch(texts)]
     ids, mask = padded(rows, 0)
     assert (mask == 0).any()  # padding present
@@ -323,7 +349,11 @@ def test_int8_without_torch_quantization_is_one_clear_error(
 
 def test_default_model_loads_without_transformers() -> None:
     """The point of pipeline.bert: transformers (and the torch._dynamo and
-    torch.distributed.tensor its modeling code imports) stay out of start-up."""
+    torch.distributed.tensor its modeling code imports) stay out of start-up, once
+    the model's tokenizer is resolved (pipeline.model.tokenizer: the first start)."""
+    from pipeline.model.spec import ModelSpec
+
+    ModelSpec.read("default")
     code = (
         "import sys\n"
         "from pipeline.embedder import Embedder\n"
@@ -360,18 +390,22 @@ def rewrite_weights(folder: Path, change: Any) -> None:
     save_file(change(tensors), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def test_missing_tensor_falls_back_with_a_warning(
+def test_a_missing_tensor_is_refused_by_both_encoders(
     tiny_model: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """transformers would initialise a missing weight at random: vectors no other load
+    (sentence-transformers' included) gives. The native encoder says what is missing
+    and leaves it to transformers, which refuses it."""
     folder = copy_model(Path(tiny_model), tmp_path / "m")
     gone = "encoder.layer.1.output.dense.bias"
     rewrite_weights(folder, lambda t: {k: v for k, v in t.items() if k != gone})
-    with caplog.at_level(logging.WARNING, logger="pipeline.embedder"):
-        embedder = Embedder.load(str(folder), encoder="auto")
-    assert not isinstance(embedder._model, bert.BertEncoder)
-    assert any(gone in r.getMessage() and "transformers" in r.getMessage() for r in caplog.records)
-    embedder.close()
-    with pytest.raises(ModelError, match=f"PIPELINE_ENCODER=native cannot run .*{gone}"):
+    with (
+        caplog.at_level(logging.WARNING, logger="pipeline.model.network"),
+        pytest.raises(ModelError, match=f"weights lack {gone}.*at random"),
+    ):
+        Embedder.load(str(folder), encoder="auto")
+    assert any(gone in r.getMessage() for r in caplog.records)
+    with pytest.raises(ModelError, match=f"the native encoder cannot run .*{gone}"):
         Embedder.load(str(folder), encoder="native")
 
 
@@ -408,7 +442,7 @@ def test_encoder_choice(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("PIPELINE_ENCODER", "transformers")
-    with caplog.at_level(logging.INFO, logger="pipeline.embedder"):
+    with caplog.at_level(logging.INFO, logger="pipeline"):
         forced = Embedder.load(tiny_model)
     assert not isinstance(forced._model, bert.BertEncoder)
     assert any("transformers" in r.getMessage() for r in caplog.records)

@@ -36,9 +36,9 @@ from pipeline.cache import (
     text_keys,
 )
 from pipeline.config import WorkerConfig, redact_url
-from pipeline.embedder import ModelInfo
 from pipeline.errors import ConfigError
 from pipeline.metrics import WorkerMetrics
+from pipeline.model.spec import ModelInfo
 from tests.helpers import (
     REPO,
     committed_offsets,

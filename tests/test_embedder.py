@@ -193,9 +193,7 @@ def test_sub_batches_respect_the_budget(
 
 
 def test_replicas_give_the_same_vectors_as_one(embedder: Embedder, texts: list[str]) -> None:
-    two = Embedder(
-        embedder._tokenizer, embedder._model, embedder.info, embedder.sub_batch_tokens, 2, 1
-    )
+    two = embedder.with_replicas(2, 1)
     try:
         tokens = embedder.tokenize(texts[:200])
         one_vectors, _ = embedder.embed_tokens(tokens)

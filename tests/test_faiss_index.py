@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedder import ModelInfo
 from pipeline.errors import IndexStateError
+from pipeline.model.spec import ModelInfo
 from pipeline.records import GoodRecord, SourceRecord
 from sinks import faiss_index as faiss_mod
 from sinks.faiss_index import IndexStore, decode_id, encode_id

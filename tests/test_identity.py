@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
 from pipeline.identity import check_output_model, differences, recorded_model
+from pipeline.model.spec import ModelInfo
 from pipeline.records import GoodRecord, SourceRecord
 from sinks.layout import SegmentKey
 from sinks.parquet import ParquetSink
@@ -54,7 +54,7 @@ def publish_segment(output: Any, model: ModelInfo, first: int = 0, n: int = 3) -
         GoodRecord(SourceRecord("t", 0, o, 0, None, b"{}"), f"text {o}", None, None)
         for o in range(first, first + n)
     ]
-    vectors = np.eye(n, DIM, dtype=np.float32)
+    vectors = np.eye(n, model.dim, dtype=np.float32)
     staged = sink.stage(SegmentKey("t", 0, first), first + n - 1, records, vectors, n)
     assert sink.publish(staged)
     return staged.final_path
@@ -94,6 +94,9 @@ def test_an_empty_output_has_no_recorded_model(tmp_path: Path) -> None:
         ({"document_prompt": "passage: "}, "document prompt '' -> 'passage: '"),
         ({"precision": "int8"}, "precision fp32 -> int8"),
         ({"dim": 16, "revision": "sha256:1111111111111111"}, "dimension 8 -> 16"),
+        ({"modules": "Transformer > Pooling(cls)"}, "module stack"),
+        ({"truncate_dim": 4, "dim": 4}, "Matryoshka dimensions"),
+        ({"identity": "sha256:2222222222222222"}, "model identity"),
     ],
 )
 def test_another_identity_is_refused_in_one_line(
@@ -130,6 +133,21 @@ def test_outputs_from_before_prompts_had_none() -> None:
     assert differences(legacy, other(document_prompt="passage: ")) == [
         "document prompt '' -> 'passage: '"
     ]
+
+
+def test_outputs_from_before_module_stacks_were_recorded_skip_them() -> None:
+    legacy = {
+        k: v
+        for k, v in MODEL.as_metadata().items()
+        if k not in ("modules", "model_identity", "truncate_dim")
+    }
+    assert differences(legacy, other(modules="Transformer > Pooling(mean)", identity="x")) == []
+
+
+def test_the_refusal_says_which_dimensions_to_run_with(tmp_path: Path) -> None:
+    publish_segment(tmp_path, other(truncate_dim=4, dim=4))
+    with pytest.raises(OutputError, match=r"--dimensions 4"):
+        check_output_model(tmp_path, MODEL, "out")
 
 
 def test_the_refusal_says_which_prompt_to_run_with(tmp_path: Path) -> None:
@@ -192,6 +210,8 @@ def test_worker_refuses_another_identity_before_consuming(
     assert len(errors) == 1, refused.stderr[-2000:]
     assert "document prompt '' -> 'passage: '" in errors[0]
     assert "Traceback" not in refused.stderr
+    # Refused from the model's files, before its weights were loaded.
+    assert " loaded: " not in refused.stderr
     assert committed_offsets(broker, group_id, topic) == before
     assert len(output_rows(output)) == 20
 

@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedder import ModelInfo
 from pipeline.errors import OutputError
+from pipeline.model.spec import ModelInfo
 from pipeline.records import GoodRecord, SourceRecord
 from sinks import parquet as parquet_mod
 from sinks import writers

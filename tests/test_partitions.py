@@ -15,7 +15,7 @@ from kafka import TopicPartition
 
 from consumers.partitions import Change, Listener, Ownership, Reader
 from pipeline.config import KafkaSettings
-from pipeline.embedder import ModelInfo
+from pipeline.model.spec import ModelInfo
 from pipeline.records import GoodRecord, SourceRecord
 from sinks.layout import SegmentKey, quarantine_dir, vectors_dir
 from sinks.parquet import ParquetSink

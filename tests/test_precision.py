@@ -54,7 +54,7 @@ def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def fast_revision(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Skips hashing the 90 MB of weights on every cache look-up; the value can be changed."""
     revision = {"value": "sha256:aaaaaaaaaaaaaaaa"}
-    monkeypatch.setattr(precision_mod, "_revision", lambda _path: revision["value"])
+    monkeypatch.setattr(precision_mod, "_identity", lambda _model: revision["value"])
     return revision
 
 
@@ -190,7 +190,9 @@ def test_check_precisions_on_real_text(
 ) -> None:
     loaded = {"fp32": embedder, "int8": int8_embedder}
     monkeypatch.setattr(
-        precision_mod.Embedder, "load", staticmethod(lambda _m, p, *_a, **_k: loaded[p])
+        precision_mod.Embedder,
+        "load",
+        staticmethod(lambda *_a, precision="fp32", **_k: loaded[precision]),
     )
     texts = sample_texts(512)[:16]
     strict = Gate(0.99999, 0.999)

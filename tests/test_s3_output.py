@@ -270,7 +270,7 @@ def test_a_damaged_object_is_moved_aside_and_read_again(
 
 
 def _write_segment(url: str, topic: str, partition: int, first: int, count: int) -> None:
-    from pipeline.embedder import ModelInfo
+    from pipeline.model.spec import ModelInfo
     from pipeline.records import GoodRecord
     from sinks.objectstore import ObjectStore
     from sinks.parquet import ParquetSink

