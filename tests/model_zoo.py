@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 HIDDEN = 32
+ST_CONFIG_NAME = "config_sentence_transformers.json"
 SEED = 7
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -132,6 +133,8 @@ CASES: dict[str, Case] = {
     ),
     "bert-cased": Case("bert-cased", ({"type": "Pooling", "mode": "cls"},)),
     "bert-plain": Case("bert", plain=True),
+    # sentence-transformers 1.x/2.x kept the Transformer's files in a folder of its own.
+    "bert-transformer-folder": Case("bert", (MEAN, {"type": "Dense", "out": 16})),
     # -- architectures
     "roberta-bpe": Case("roberta", ({"type": "Pooling", "mode": "mean"}, {"type": "Normalize"})),
     "xlm-roberta-unigram": Case("xlm-roberta", ({"type": "Pooling", "mode": "cls"},)),
@@ -206,8 +209,21 @@ def build(name: str, root: Path) -> Path:
         _sentence_transformer(case, transformer, folder)
     _damage_for_refusal(name, folder)
     _set_padding_side(folder, case.padding_side)
+    if name == "bert-transformer-folder":
+        _transformer_into_its_folder(folder)
     (folder / ".built").write_text("1\n")
     return folder
+
+
+def _transformer_into_its_folder(folder: Path) -> None:
+    inner = folder / "0_Transformer"
+    inner.mkdir()
+    for file in list(folder.iterdir()):
+        if file.is_file() and file.name not in ("modules.json", ST_CONFIG_NAME, "README.md"):
+            file.rename(inner / file.name)
+    modules = _modules(folder)
+    modules[0]["path"] = "0_Transformer"
+    (folder / "modules.json").write_text(json.dumps(modules))
 
 
 def _set_padding_side(folder: Path, side: str) -> None:

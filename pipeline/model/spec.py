@@ -112,11 +112,11 @@ class ModelSpec:
         """`document_prompt` / `query_prompt`: None takes the model's own, "" none;
         `dimensions`: Matryoshka truncation (None: the model's own truncate_dim, if any)."""
         name, path = resolve_model_path(model)
-        config = _read_config(path)
-        stack = read_stack(path, config)
-        transformer_config = config
-        if stack.transformer.directory != path:
-            transformer_config = _read_config(stack.transformer.directory)
+        # The folder's config.json, where it has one: older sentence-transformers
+        # saves keep the Transformer's files in a folder of its own (0_Transformer/).
+        root_config = _read_config(path) if (path / "config.json").is_file() else {}
+        stack = read_stack(path, root_config)
+        transformer_config = _read_config(stack.transformer.directory)
         revision = weights_revision(stack.transformer.directory)
         resolved = tokenizers.resolve(stack.transformer, _max_positions(transformer_config))
         max_length = _max_length(resolved, transformer_config, path)
