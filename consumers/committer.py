@@ -45,7 +45,7 @@ from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from consumers.partitions import Ownership
-from sinks.layout import TopicPartitionKey
+from pipeline.core.layout import TopicPartitionKey
 
 log = logging.getLogger(__name__)
 

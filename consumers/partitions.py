@@ -39,10 +39,10 @@ from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 
-from pipeline import cluster
-from pipeline.config import KafkaSettings
-from pipeline.records import Source
-from sinks.layout import TopicPartitionKey, segments_by_partition
+from pipeline.core.config import KafkaSettings
+from pipeline.core.layout import TopicPartitionKey, segments_by_partition
+from pipeline.core.records import Source
+from pipeline.kafka import cluster
 from sinks.segments import START_FROM_COMMITTED, DamagedSegment, covered_through, quarantine
 
 log = logging.getLogger(__name__)

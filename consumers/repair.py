@@ -25,13 +25,9 @@ from dataclasses import dataclass
 
 from kafka import KafkaConsumer, TopicPartition
 
-from consumers import record_batches
-from pipeline import cluster
-from pipeline.config import KafkaSettings, WorkerConfig
-from pipeline.embedder import Embedder
-from pipeline.host import call_on_fresh_thread
-from pipeline.records import GoodRecord, RecordParser, SourceRecord
-from sinks.layout import (
+from pipeline.core.config import KafkaSettings, WorkerConfig
+from pipeline.core.host import call_on_fresh_thread
+from pipeline.core.layout import (
     SegmentFile,
     SegmentKey,
     TopicPartitionKey,
@@ -39,6 +35,9 @@ from sinks.layout import (
     is_local,
     segments_by_partition,
 )
+from pipeline.core.records import GoodRecord, RecordParser, SourceRecord
+from pipeline.kafka import cluster, record_batches
+from pipeline.model.embedder import Embedder
 from sinks.parquet import ParquetSink
 from sinks.segments import (
     DamagedSegment,

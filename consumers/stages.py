@@ -23,19 +23,19 @@ from pathlib import Path
 
 import numpy as np
 
+from consumers.batcher import MicroBatch, TopicPartitionKey
 from consumers.committer import PublishedBatch
 from consumers.partitions import Ownership
-from pipeline.batcher import MicroBatch, TopicPartitionKey
-from pipeline.cache import EmbeddingCache, embed_cached
-from pipeline.embedder import Embedder, EmbedStats
-from pipeline.errors import PipelineError
-from pipeline.host import release_free_memory
-from pipeline.metrics import WorkerMetrics
-from pipeline.records import BadRecord, GoodRecord
+from pipeline.core.errors import PipelineError
+from pipeline.core.host import release_free_memory
+from pipeline.core.layout import SegmentKey
+from pipeline.core.metrics import WorkerMetrics
+from pipeline.core.records import BadRecord, GoodRecord
+from pipeline.kafka.dead_letter import DeadLetterSink
+from pipeline.model.cache import EmbeddingCache, embed_cached
+from pipeline.model.embedder import Embedder, EmbedStats
 from sinks.compact_process import compact_in_child
-from sinks.dead_letter import DeadLetterSink
-from sinks.faiss_index import IndexStore
-from sinks.layout import SegmentKey
+from sinks.index.store import IndexStore
 from sinks.parquet import ParquetSink, StagedFile
 
 log = logging.getLogger(__name__)

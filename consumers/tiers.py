@@ -49,9 +49,9 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
-from pipeline.embedder import TokenIds
-from pipeline.records import BadRecord, GoodRecord
+from consumers.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
+from pipeline.core.records import BadRecord, GoodRecord
+from pipeline.model.embedder import TokenIds
 
 log = logging.getLogger(__name__)
 

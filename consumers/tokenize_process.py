@@ -4,13 +4,13 @@ With a fast model (a GPU, a small one) the poll loop is the worker's ceiling:
 everything it does holds the GIL, and tokenizing was a quarter of it (with it
 free, the path around the model ran 1.3x faster: scripts/overhead.py), parsing the
 records' JSON a seventh. Here a child process parses one poll's record values
-(pipeline.records, the worker's own parser) and tokenizes their texts while the
+(pipeline.core.records, the worker's own parser) and tokenizes their texts while the
 poll loop decodes the next poll from Kafka, on another core. The parses come back
 as columns (texts, ids, metadata; the bad records' reasons); the token ids as one
 int32 array and its offsets, each text's ids a view of it, not a Python list
 (making those lists cost as much as half the tokenizing).
 
-The child runs pipeline.wordpiece's fast path where the tokenizer is BERT's
+The child runs pipeline.model.wordpiece's fast path where the tokenizer is BERT's
 WordPiece (rebuilt from the worker's own tokenizer and checked against it at
 start, its tables built before the child says it is ready), and the Rust
 tokenizer for the texts that path leaves and for every other tokenizer
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import PipelineError
-from pipeline.records import (
+from pipeline.core.errors import PipelineError
+from pipeline.core.records import (
     BadRecord,
     GoodRecord,
     RecordParser,
@@ -242,7 +242,7 @@ def _views(flat: Any, offsets: Any) -> list[memoryview]:
 
 def main() -> None:
     """The child: argv = SOCKET_FD MAX_LENGTH PARENT_PID."""
-    from pipeline.host import die_with_parent
+    from pipeline.core.host import die_with_parent
 
     fd, max_length, parent = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     # Signals to the whole group (Ctrl-C, a service manager stopping the unit) are the
@@ -266,7 +266,7 @@ def main() -> None:
 def _serve(conn: Connection, max_length: int) -> None:
     from tokenizers import Tokenizer
 
-    from pipeline import wordpiece
+    from pipeline.model import wordpiece
 
     tokenizer_json, parser, prompt, fast_path = pickle.loads(conn.recv_bytes())
     rust_tokenizer = Tokenizer.from_str(tokenizer_json)
@@ -290,7 +290,7 @@ def _serve(conn: Connection, max_length: int) -> None:
 def _parsed(
     parser: RecordParser, values: list[bytes | None]
 ) -> tuple[list[str], list[str | None], list[str | None], list[tuple[int, str, str, str]]]:
-    """Values parsed as the worker would (pipeline.records): the good ones' fields as
+    """Values parsed as the worker would (pipeline.core.records): the good ones' fields as
     columns, the bad ones' (index, stage, class, message)."""
     texts: list[str] = []
     record_ids: list[str | None] = []

@@ -32,7 +32,8 @@ import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 
-from consumers import record_batches, repair
+from consumers import repair
+from consumers.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
 from consumers.committer import OffsetCommitter, PublishedBatch
 from consumers.partitions import Applied, Listener, Ownership, Reader
 from consumers.stages import CompactStage, EmbedStage, Stage, WriteStage
@@ -47,21 +48,20 @@ from consumers.tiers import (
     unpark_resumed,
 )
 from consumers.tokenize_process import TokenizerPool
-from pipeline import cluster
-from pipeline.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
-from pipeline.cache import EmbeddingCache, open_cache
-from pipeline.config import WorkerConfig
-from pipeline.embedder import Embedder, TokenIds, tokenizer_choice
-from pipeline.errors import BrokerUnavailable, OutputError, PipelineError
-from pipeline.host import freeze_start_up_objects, process_age_s, usable_cpus
-from pipeline.identity import check_output_model
-from pipeline.metrics import WorkerMetrics
-from pipeline.progress import Progress
-from pipeline.records import BadRecord, GoodRecord, RecordParser, Source
-from sinks import index_shards
-from sinks.dead_letter import DeadLetterSink
-from sinks.faiss_index import IndexStore
-from sinks.layout import is_local, segments_by_partition
+from pipeline.core.config import WorkerConfig
+from pipeline.core.errors import BrokerUnavailable, OutputError, PipelineError
+from pipeline.core.host import freeze_start_up_objects, process_age_s, usable_cpus
+from pipeline.core.layout import is_local, segments_by_partition
+from pipeline.core.metrics import WorkerMetrics
+from pipeline.core.progress import Progress
+from pipeline.core.records import BadRecord, GoodRecord, RecordParser, Source
+from pipeline.kafka import cluster, record_batches
+from pipeline.kafka.dead_letter import DeadLetterSink
+from pipeline.model.cache import EmbeddingCache, open_cache
+from pipeline.model.embedder import Embedder, TokenIds, tokenizer_choice
+from sinks.identity import check_output_model
+from sinks.index import shards as index_shards
+from sinks.index.store import IndexStore
 from sinks.parquet import ParquetSink
 from sinks.segments import pending_notes
 
@@ -178,7 +178,7 @@ class Worker:
         self._last_lag_update = 0.0
         self._end_checks_failing_since: float | None = None
         self._admin: Any = None
-        self.cache: EmbeddingCache | None = None  # opened with the model (pipeline.cache)
+        self.cache: EmbeddingCache | None = None  # opened with the model (pipeline.model.cache)
         # The revoke wait runs on kafka-python's IO thread and holds up heartbeats:
         # with a heartbeat due every third of the session timeout, a wait of another
         # third keeps the session alive, and well inside the rebalance timeout.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from pipeline.config import (
+from pipeline.core.config import (
     DEFAULT_BOOTSTRAP,
     DEVICES,
     PRECISIONS,
@@ -33,8 +33,8 @@ from pipeline.config import (
     WorkerConfig,
     load_toml,
 )
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.host import (
+from pipeline.core.errors import ConfigError, PipelineError
+from pipeline.core.host import (
     CpuPlan,
     plan_cpu,
     start_on_fresh_thread,
@@ -43,7 +43,7 @@ from pipeline.host import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.embedder import Embedder
+    from pipeline.model.embedder import Embedder
     from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger("pipeline")
@@ -259,7 +259,7 @@ def topics_create(
     kafka: KafkaSettings, topic: str, partitions: int, replication_factor: int
 ) -> None:
     """Create TOPIC (no error if it exists with the same partition count)."""
-    from pipeline import cluster
+    from pipeline.kafka import cluster
 
     with cluster.admin_client(kafka) as admin:
         created = cluster.create_topic(admin, kafka, topic, partitions, replication_factor)
@@ -309,7 +309,7 @@ def produce(
     progress: bool,
 ) -> None:
     """Publish records from FILES (JSONL, CSV, Parquet or plain text) to TOPIC."""
-    from pipeline.producer import produce as run_produce
+    from pipeline.kafka.producer import produce as run_produce
 
     del id_field  # kept in the value as is; named for symmetry with `run`
     result = run_produce(
@@ -482,13 +482,13 @@ def _run_worker(config: WorkerConfig) -> None:
     # tokenizer would only contend with them for the same cores (measured: -8%).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Before any other thread starts: free memory goes back to the OS in full after
-    # each batch, and a backlog's passes do not leave it behind (pipeline.host).
+    # each batch, and a backlog's passes do not leave it behind (pipeline.core.host).
     # Not where CUDA may serve: there up to eight tokenizer threads allocate at
     # once, and one arena's lock would serialise them (not measured on a GPU host).
     if config.device == "cpu" or (config.device == "auto" and not _nvidia_present()):
         use_one_malloc_arena()
     from consumers.worker import run_worker
-    from pipeline.metrics import WorkerMetrics
+    from pipeline.core.metrics import WorkerMetrics
 
     log.info("configuration: %s", json.dumps(config.redacted(), sort_keys=True))
     _check_cluster(config)  # fail fast, before the seconds a model load takes
@@ -520,8 +520,8 @@ def _nvidia_present() -> bool:
 
 
 def _model_spec(config: WorkerConfig) -> ModelSpec:
-    from pipeline.identity import check_output_model
     from pipeline.model.spec import ModelSpec
+    from sinks.identity import check_output_model
 
     spec = ModelSpec.read(
         config.model, config.document_prompt, config.query_prompt, config.dimensions
@@ -533,12 +533,12 @@ def _model_spec(config: WorkerConfig) -> ModelSpec:
 
 
 def _load_model(config: WorkerConfig, spec: ModelSpec, plan: CpuPlan) -> Embedder:
-    from pipeline.embedder import Embedder
-    from pipeline.precision import resolve_precision
+    from pipeline.model.embedder import Embedder
+    from pipeline.model.precision import resolve_precision
 
     precision = config.precision
     if precision == "auto":
-        from pipeline.corpus import sample_texts
+        from pipeline.core.corpus import sample_texts
 
         precision = resolve_precision(spec, config.device, "auto", lambda: sample_texts(256))
     return Embedder.load_planned(
@@ -552,7 +552,7 @@ def _load_model(config: WorkerConfig, spec: ModelSpec, plan: CpuPlan) -> Embedde
 
 
 def _check_cluster(config: WorkerConfig) -> None:
-    from pipeline import cluster
+    from pipeline.kafka import cluster
 
     with cluster.admin_client(config.kafka) as admin:
         cluster.partitions_of(admin, config.kafka, config.topics)
@@ -561,7 +561,7 @@ def _check_cluster(config: WorkerConfig) -> None:
 def _plan_cpu(config: WorkerConfig) -> CpuPlan:
     import torch
 
-    from pipeline.embedder import pick_device
+    from pipeline.model.embedder import pick_device
 
     cpus = usable_cpus()
     plan = plan_cpu(pick_device(config.device), cpus, config.replicas, config.torch_threads)
@@ -761,8 +761,8 @@ def index() -> None:
 )
 def index_rebuild(output: Path, index_type: str) -> None:
     """Rebuild the index from the Parquet files in OUTPUT."""
-    from pipeline.errors import IndexStateError
-    from sinks.faiss_index import IndexStore
+    from pipeline.core.errors import IndexStateError
+    from sinks.index.store import IndexStore
 
     store = IndexStore(output, index_type=index_type)
     count = store.rebuild()
@@ -800,8 +800,8 @@ def index_check(output: Path, recall: bool, as_json: bool) -> None:
     """
     import json
 
-    from pipeline.errors import IndexStateError
-    from sinks.index_check import check_index
+    from pipeline.core.errors import IndexStateError
+    from sinks.index.check import check_index
 
     report = check_index(output, recall=recall)
     if as_json:
@@ -901,7 +901,7 @@ def offsets_reset(
     Exit 0 when done (or shown, with --dry-run); 75 while the group has members,
     66 for a missing topic, 69 when no broker answers.
     """
-    from pipeline import offsets as resets
+    from pipeline.kafka import offsets as resets
 
     mode = resets.choose_mode(to_earliest, to_latest, to_datetime, to_offset, shift_by)
     specs = [resets.parse_topic_spec(spec) for spec in topic]
@@ -954,11 +954,11 @@ def model_check(
     Exit 1 where the vectors differ from sentence-transformers'."""
     from dataclasses import asdict
 
-    from pipeline.corpus import sample_texts
-    from pipeline.embedder import Embedder
+    from pipeline.core.corpus import sample_texts
     from pipeline.model import check
+    from pipeline.model.embedder import Embedder
+    from pipeline.model.precision import Gate, check_precisions, choose, remember
     from pipeline.model.spec import ModelSpec
-    from pipeline.precision import Gate, check_precisions, choose, remember
 
     spec = ModelSpec.read(model, document_prompt, None, dimensions)
     plan = check.plan(spec)

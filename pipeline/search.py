@@ -7,10 +7,10 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from pipeline.embedder import Embedder
-from pipeline.errors import IndexStateError
-from sinks.faiss_index import Hit, IndexStore
-from sinks.layout import describe, segments_by_partition
+from pipeline.core.errors import IndexStateError
+from pipeline.core.layout import describe, segments_by_partition
+from pipeline.model.embedder import Embedder
+from sinks.index.store import Hit, IndexStore
 from sinks.segments import DamagedSegment, read_rows
 from sinks.vectors_swap import read_consistently
 
@@ -19,7 +19,7 @@ def search_output(
     output: Path, query: str, k: int, device: str = "auto", query_prompt: str | None = None
 ) -> list[dict[str, Any]]:
     """`query_prompt` None: the one the output recorded (outputs from before prompts:
-    the model's own, pipeline.prompts)."""
+    the model's own, pipeline.model.prompts)."""
     store = IndexStore(output, use_gpu=device != "cpu")
     store.load()
     assert store.meta is not None

@@ -2,7 +2,7 @@
 """Throughput benchmark: the pipeline against what a user would otherwise write.
 
 One run, the same records of real text (standard-library docstring paragraphs,
-`pipeline.corpus.sample_texts`), published once to a fresh topic, four variants:
+`pipeline.core.corpus.sample_texts`), published once to a fresh topic, four variants:
 
   (a) the raw model: `Embedder.tokenize` + `embed_tokens` at the pipeline's precision,
       all texts sorted at once and cut into passes under the token budget; no Kafka,
@@ -19,14 +19,14 @@ It then prints the ratios d/a, d/b, d/c beside their targets, the padding effici
 (d)'s batching policy and of (c)'s arrival-order batches, and the quality of the vectors
 (d) stored, against fp32: mean and minimum cosine, neighbour recall@10, PASS/FAIL on the
 precision gate. (b) and (c) run with one torch thread count (--threads); (a) with the
-worker's own layout of model replicas x threads (pipeline.host.plan_cpu), as (d) does.
+worker's own layout of model replicas x threads (pipeline.core.host.plan_cpu), as (d) does.
 
     .venv/bin/python scripts/bench.py [--records 3000] [--precision auto] [--device auto]
         [--batch-size 4096] [--partitions 3] [--repeat 1] [--json results.json] [--keep]
 
 Each of (a) to (c) loads its model and runs on one fresh thread, as `pipeline run`
 loads its model on a thread that exits and embeds on its embed-stage thread: one
-OpenMP team at a time, so none pays throttled spin-waits (see pipeline.host).
+OpenMP team at a time, so none pays throttled spin-waits (see pipeline.core.host).
 (a) runs right before (d), so that the two rates the headline ratio divides are
 measured a minute apart at most, on a machine whose speed drifts; and in a process
 of its own, since the bench process has by then warmed its heap on (b) and (c),
@@ -57,18 +57,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pipeline.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
-from pipeline.embedder import Embedder, pick_device
-from pipeline.errors import PipelineError
-from pipeline.host import call_on_fresh_thread
-from pipeline.model.spec import ModelSpec, resolve_model_path
-from pipeline.precision import (
+from pipeline.core.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
+from pipeline.core.errors import PipelineError
+from pipeline.core.host import call_on_fresh_thread
+from pipeline.model.embedder import Embedder, pick_device
+from pipeline.model.precision import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_RECALL,
     cosine_rows,
     neighbour_recall,
     resolve_precision,
 )
+from pipeline.model.spec import ModelSpec, resolve_model_path
 
 T = TypeVar("T")
 NAIVE_BATCH = 32
@@ -226,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_texts(n: int) -> list[str]:
     """n real paragraphs; past what the corpus holds, repeats with a suffix."""
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     base = sample_texts(n)
     texts = list(base[:n])
@@ -262,14 +262,14 @@ def describe_hardware(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(0)
-    from pipeline.precision import cpu_model
+    from pipeline.model.precision import cpu_model
 
     return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def resolve(args: argparse.Namespace) -> tuple[str, str]:
     """(device, precision), both concrete."""
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     device = pick_device(args.device)
     precision = resolve_precision(args.model, device, args.precision, lambda: sample_texts(256))
@@ -280,7 +280,7 @@ def resolve(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def create_topic(kafka: KafkaSettings, partitions: int) -> str:
-    from pipeline import cluster
+    from pipeline.kafka import cluster
 
     topic = f"bench-{uuid.uuid4().hex[:10]}"
     with cluster.admin_client(kafka) as admin:
@@ -313,7 +313,7 @@ def publish(
 
 
 def check_published(kafka: KafkaSettings, topic: str, expected: int) -> None:
-    from pipeline import cluster
+    from pipeline.kafka import cluster
 
     with cluster.admin_client(kafka) as admin:
         partitions = cluster.partitions_of(admin, kafka, [topic])
@@ -325,7 +325,7 @@ def check_published(kafka: KafkaSettings, topic: str, expected: int) -> None:
 
 def delete_kafka_state(kafka: KafkaSettings, topics: list[str], groups: list[str]) -> None:
     """Best effort: the benchmark's topics and groups go, whatever failed before."""
-    from pipeline import cluster
+    from pipeline.kafka import cluster
 
     try:
         with cluster.admin_client(kafka) as admin:
@@ -377,7 +377,7 @@ def raw_only(args: argparse.Namespace) -> int:
     """The child side of bench_raw_in_fresh_process: prints {"seconds": S}."""
     import torch
 
-    from pipeline.host import plan_cpu, usable_cpus
+    from pipeline.core.host import plan_cpu, usable_cpus
 
     # The raw model at the layout `pipeline run` gives it (replicas x threads).
     plan = plan_cpu(pick_device(args.device), usable_cpus())
@@ -651,7 +651,7 @@ def read_vectors(output: Path) -> tuple[list[str], np.ndarray]:
     """Ids and embeddings of every published Parquet file of a pipeline output dir."""
     import pyarrow.parquet as pq
 
-    from sinks.layout import iter_segments
+    from pipeline.core.layout import iter_segments
 
     ids: list[str] = []
     blocks: list[np.ndarray] = []
@@ -758,7 +758,7 @@ def describe_setup(
 ) -> dict[str, Any]:
     return {
         "records": len(texts),
-        "text": "stdlib docstring paragraphs from pipeline.corpus.sample_texts",
+        "text": "stdlib docstring paragraphs from pipeline.core.corpus.sample_texts",
         "median_chars": int(np.median([len(t) for t in texts])),
         "median_tokens": int(np.median(lengths)),
         "model": model_name,
@@ -780,7 +780,7 @@ def run_all(args: argparse.Namespace, workdir: Path, kafka: KafkaSettings) -> Re
     threads = torch.get_num_threads()
     setup_note = load_note()
     # No torch work on this thread: each variant's OpenMP team comes and goes with
-    # the fresh thread it runs on (see pipeline.host).
+    # the fresh thread it runs on (see pipeline.core.host).
     device, precision = call_on_fresh_thread(lambda: resolve(args))
     model_name, model_dir = resolve_model_path(args.model)
     texts, ids = make_texts(args.records), make_ids(args.records)

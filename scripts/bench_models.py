@@ -2,7 +2,7 @@
 """Models side by side: texts/s of each on the same texts, in one run.
 
 Each model embeds the same records of real text (standard-library docstring
-paragraphs, `pipeline.corpus.sample_texts`, as scripts/bench.py's) the way the
+paragraphs, `pipeline.core.corpus.sample_texts`, as scripts/bench.py's) the way the
 worker's embed stage does: `Embedder.tokenize` (with the model's document prompt)
 then `embed_tokens`, length-sorted passes at the worker's layout of replicas x
 threads, after a warm-up on a few texts. Every measurement runs in a fresh
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_texts(n: int) -> list[str]:
     """n real paragraphs; past what the corpus holds, repeated with a suffix."""
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     base = sample_texts(n)
     texts, rounds = list(base[:n]), 1
@@ -67,8 +67,8 @@ def child(args: argparse.Namespace) -> int:
     """One model, one measurement: prints {"seconds", "tokens", ...} as JSON."""
     import torch
 
-    from pipeline.embedder import Embedder, pick_device
-    from pipeline.host import call_on_fresh_thread, plan_cpu, usable_cpus
+    from pipeline.core.host import call_on_fresh_thread, plan_cpu, usable_cpus
+    from pipeline.model.embedder import Embedder, pick_device
 
     plan = plan_cpu(pick_device(args.device), usable_cpus())
     torch.set_num_threads(plan.threads_per_replica)

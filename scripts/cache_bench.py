@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The embedding cache by content, measured: records/s with it against without.
 
-One run, real text (standard-library paragraphs, `pipeline.corpus`), published once
+One run, real text (standard-library paragraphs, `pipeline.core.corpus`), published once
 to a fresh topic, in which `--repeat-share` of the records (30 % by default) repeat
 the exact text of an earlier record, spread at random over the topic. Two groups:
 
@@ -47,7 +47,7 @@ import pyarrow.dataset as ds
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # scripts/bench.py: topics, publishing, the done: line
 
-from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings
+from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings
 
 REPO = Path(__file__).resolve().parents[1]
 _CACHE_RE = re.compile(r"; cache: (?P<hits>\d+) of (?P<lookups>\d+) records from the cache")

@@ -11,7 +11,7 @@ is read: what stays is what the catch-up left for the rest of the run.
 Each variant runs in a process of its own: `default` (glibc's arenas as they
 come: one per thread that allocates under contention, up to 8 per core) and
 `one-arena` (every thread on the main heap, as `pipeline run` sets up with
-pipeline.host.use_one_malloc_arena). "thread heaps" is what the threads' own
+pipeline.core.host.use_one_malloc_arena). "thread heaps" is what the threads' own
 heaps hold resident (mappings on 64 MiB boundaries).
 
     .venv/bin/python scripts/catchup_memory.py [--catch-up 4096] [--rounds 3]
@@ -36,7 +36,7 @@ _HEAP = 64 << 20
 
 def resident_mb() -> tuple[int, int]:
     """(anonymous resident MB, of it in glibc's thread heaps), after a trim."""
-    from pipeline.host import release_free_memory
+    from pipeline.core.host import release_free_memory
 
     release_free_memory()
     anon = heaps = 0
@@ -54,9 +54,9 @@ def resident_mb() -> tuple[int, int]:
 
 
 def child(args: argparse.Namespace) -> None:
-    from pipeline.corpus import sample_texts
-    from pipeline.embedder import Embedder
-    from pipeline.host import plan_cpu, usable_cpus, use_one_malloc_arena
+    from pipeline.core.corpus import sample_texts
+    from pipeline.core.host import plan_cpu, usable_cpus, use_one_malloc_arena
+    from pipeline.model.embedder import Embedder
 
     if args.child == "one-arena":
         use_one_malloc_arena()

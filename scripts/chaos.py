@@ -81,7 +81,7 @@ SHARED_BROKER_PORT = 9092
 
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 SESSION_TIMEOUT_MS = 6000
-TMP_SUFFIX = ".tmp"  # sinks.layout: files being written start with a dot and end so
+TMP_SUFFIX = ".tmp"  # pipeline.core.layout: files being written start with a dot and end so
 BATCH_SIZES = (16, 32, 64, 128, 256)
 SLOW_BATCH_SIZES = (64, 96, 128)  # with the slow model and long texts: seconds per batch
 MAX_TEXT_BYTES = 65_536  # the worker's default cap (WorkerConfig.max_text_bytes)
@@ -928,7 +928,7 @@ def dead_letters(records: Iterable[Any], topic: str) -> Counter[tuple[int, int]]
 
 def index_entries(output: Path, topic: str) -> Counter[tuple[int, int]] | None:
     """(partition, offset) of each FAISS index entry; None when there is no index."""
-    from sinks.faiss_index import IndexStore, decode_id
+    from sinks.index.store import IndexStore, decode_id
 
     if not (output / "index").is_dir():
         return None

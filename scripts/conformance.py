@@ -36,8 +36,8 @@ def cosine_min(a: np.ndarray, b: np.ndarray) -> float:
 def row_for(folder: Path, texts: list[str], refused: str | None = None) -> dict[str, Any]:
     from sentence_transformers import SentenceTransformer
 
-    from pipeline.embedder import Embedder
-    from pipeline.errors import PipelineError
+    from pipeline.core.errors import PipelineError
+    from pipeline.model.embedder import Embedder
 
     row: dict[str, Any] = {"model": folder.name}
     try:

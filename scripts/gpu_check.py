@@ -6,13 +6,13 @@ Over a stream of micro-batches of real prose, each figure the median of --repeat
 
 - tokenizing alone by tokenizer threads: the CPU side's ceiling for a GPU;
 - the forward passes alone (batches tokenized beforehand) for each precision (bf16,
-  fp16), exact pass shapes against bucketed ones (pipeline.shapes), and for the first
+  fp16), exact pass shapes against bucketed ones (pipeline.model.shapes), and for the first
   precision each sub-batch token budget: texts/s, tokens/s and model FLOP utilisation
   (FLOPs per computed token, 2 x the non-embedding weights plus attention's
   4 x width x hidden per layer, times computed tokens/s, over the GPU's dense peak);
 - end to end as the worker runs it (the next batch tokenized while the model runs
   this one) at the best precision and budget, by model replicas and tokenizer threads;
-- the quality gate against fp32 on the same GPU (pipeline.precision);
+- the quality gate against fp32 on the same GPU (pipeline.model.precision);
 - FAISS on the GPU against the CPU when faiss-gpu is installed.
 
     scripts/gpu-check.sh [--model DIR] [--texts 40000] [--batch-size 4096]
@@ -39,10 +39,10 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from pipeline.corpus import sample_texts  # noqa: E402
-from pipeline.embedder import Embedder, Tokenized  # noqa: E402
-from pipeline.host import usable_cpus  # noqa: E402
-from pipeline.precision import Gate, check_precisions, cpu_model  # noqa: E402
+from pipeline.core.corpus import sample_texts  # noqa: E402
+from pipeline.core.host import usable_cpus  # noqa: E402
+from pipeline.model.embedder import Embedder, Tokenized  # noqa: E402
+from pipeline.model.precision import Gate, check_precisions, cpu_model  # noqa: E402
 
 # Dense tensor-core peaks in TFLOP/s (bf16 = fp16 on these parts), by name fragment.
 PEAK_TFLOPS = {

@@ -5,7 +5,7 @@ Each variant runs in a fresh process of its own (a process's heap and oneDNN's
 caches remember what ran before), on the same texts, and the ratios compare
 variants measured in the same run on the same machine.
 
-  shapes   exact pass shapes against bucketed ones (pipeline.shapes) over a
+  shapes   exact pass shapes against bucketed ones (pipeline.model.shapes) over a
            stream of micro-batches in arrival order: texts/s over the first and
            the second half of the stream, padding efficiency, distinct shapes met,
            and RSS after the first batch, at the end and at its peak.
@@ -52,7 +52,7 @@ def split_variant(extra: str) -> tuple[dict[str, str], list[str]]:
 def stream_texts(count: int) -> list[str]:
     """`count` texts of real prose: the stdlib sample, then joined pairs of it, so
     that a long stream keeps meeting new lengths, as a real one does."""
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     base = sample_texts(count)
     texts = list(base)
@@ -85,7 +85,7 @@ def peak_rss_mb() -> float:
 def child_shapes(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    from pipeline.host import release_free_memory
+    from pipeline.core.host import release_free_memory
 
     embedder = _load(spec, replicas=spec["replicas"], threads=spec["threads"])
     embedder.exact_shapes = spec["exact"]
@@ -139,8 +139,8 @@ def child_threads(spec: dict[str, Any]) -> dict[str, Any]:
 def _load(spec: dict[str, Any], replicas: int, threads: int) -> Any:
     import torch
 
-    from pipeline.embedder import Embedder
-    from pipeline.host import call_on_fresh_thread
+    from pipeline.core.host import call_on_fresh_thread
+    from pipeline.model.embedder import Embedder
 
     torch.set_num_threads(threads)
     return call_on_fresh_thread(

@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sinks.faiss_index import IndexStore  # noqa: E402
-from sinks.layout import SegmentKey, vectors_dir  # noqa: E402
+from pipeline.core.layout import SegmentKey, vectors_dir  # noqa: E402
+from sinks.index.store import IndexStore  # noqa: E402
 from sinks.parquet import schema  # noqa: E402
 from sinks.segments import segment_metadata  # noqa: E402
 
@@ -140,7 +140,7 @@ def _legacy_index(store: IndexStore) -> object:
 def _legacy_sync(index: object, corpus: Corpus, output: Path, batch: int) -> int:
     import faiss
 
-    from sinks.index_shards import write_index_file
+    from sinks.index.shards import write_index_file
 
     table = pq.read_table(
         vectors_dir(output) / SegmentKey(TOPIC, 0, corpus.next_offset - batch).filename,

@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from hotpath import split_variant  # noqa: E402
 
-from pipeline import cluster  # noqa: E402
-from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
-from pipeline.corpus import sample_texts  # noqa: E402
+from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+from pipeline.core.corpus import sample_texts  # noqa: E402
+from pipeline.kafka import cluster  # noqa: E402
 
 # Runs the worker and prints its exit code and peak RSS (kB): a process of its
 # own, so that ru_maxrss of its children is this worker's alone.

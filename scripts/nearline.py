@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from hotpath import Busy, split_variant  # noqa: E402
 
-from pipeline import cluster  # noqa: E402
-from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
-from pipeline.corpus import sample_texts  # noqa: E402
+from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+from pipeline.core.corpus import sample_texts  # noqa: E402
+from pipeline.kafka import cluster  # noqa: E402
 
 READY_TIMEOUT_S = 180
 

@@ -52,8 +52,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from hotpath import split_variant  # noqa: E402
 
-from pipeline import cluster  # noqa: E402
-from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+from pipeline.kafka import cluster  # noqa: E402
 
 _DONE = re.compile(r"done: (?P<records>\d+) records .*?, (?P<rate>[\d,.]+) records/s")
 _FIRST = re.compile(r"first record polled (?P<s>[\d.]+)s after process start")

@@ -42,9 +42,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from nearline import READY_TIMEOUT_S, Visibility, _pct  # noqa: E402
 
-from pipeline import cluster  # noqa: E402
-from pipeline.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
-from pipeline.corpus import sample_texts  # noqa: E402
+from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+from pipeline.core.corpus import sample_texts  # noqa: E402
+from pipeline.kafka import cluster  # noqa: E402
 
 VARIANTS = {
     "tiers": lambda live, corpus: ["--topic", live, "--backfill-topic", corpus],

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The tokenizer by measurement: pipeline.wordpiece's hand-written path against the
+"""The tokenizer by measurement: pipeline.model.wordpiece's hand-written path against the
 Rust tokenizer, on corpora it has not seen, cold and warm, side by side in one run.
 
 Corpora (built on this machine, nothing downloaded):
 
-  english  paragraphs of the standard library's docstrings (pipeline.corpus);
+  english  paragraphs of the standard library's docstrings (pipeline.core.corpus);
   chinese  the Simplified and Traditional Chinese translations of this machine's
            gettext catalogues (/usr/share/locale/zh_*), else Python's CJK test files;
   code     runs of four lines of the standard library's source;
@@ -51,7 +51,7 @@ POLL = 1024
 
 
 def english(count: int) -> list[str]:
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     return sample_texts(count, seed=11)
 
@@ -142,7 +142,7 @@ def rust_in_process(rust: Any, texts: list[str]) -> tuple[list[list[int]], float
 
 
 def fast_in_process(fast: Any, rust: Any, texts: list[str]) -> tuple[list[list[int]], float]:
-    from pipeline import wordpiece
+    from pipeline.model import wordpiece
 
     started = time.process_time()
     flat, offsets, _, _ = wordpiece.encode_taken_flat(fast, texts, rust)
@@ -156,7 +156,7 @@ def through_processes(
 ) -> tuple[float, list[tuple[list[list[int]], float]]]:
     """Start-up ms, and per half: (ids, wall µs a text) through `processes` children."""
     from consumers.tokenize_process import TokenizerProcess
-    from pipeline.records import SourceRecord
+    from pipeline.core.records import SourceRecord
 
     started = time.perf_counter()
     children = [
@@ -193,7 +193,7 @@ def _per_text_us(seconds: float, texts: list[str]) -> float:
 
 
 def measure(name: str, texts: list[str], spec: Any, processes: list[int]) -> dict[str, Any]:
-    from pipeline import wordpiece
+    from pipeline.model import wordpiece
 
     half = len(texts) // 2
     cold, warm = texts[:half], texts[half:]

@@ -22,8 +22,8 @@ import sys
 import threading
 from pathlib import Path
 
-from pipeline.errors import OutputError, PipelineError
-from pipeline.host import die_with_parent
+from pipeline.core.errors import OutputError, PipelineError
+from pipeline.core.host import die_with_parent
 from sinks.compaction import CompactionReport, compact
 
 # How long a stopping child may take to finish the merge it is in.

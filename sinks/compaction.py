@@ -43,8 +43,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import OutputError
-from sinks.layout import (
+from pipeline.core.errors import OutputError
+from pipeline.core.layout import (
     Output,
     SegmentFile,
     TopicPartitionKey,

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, Union
 from urllib.parse import urlsplit
 
-from pipeline.errors import ConfigError, OutputError
+from pipeline.core.errors import ConfigError, OutputError
 
 if TYPE_CHECKING:
     import pyarrow

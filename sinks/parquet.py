@@ -5,11 +5,11 @@ Publishing is two-phase so the committer can slot the dead-letter flush in
 between: `stage()` writes `<hidden name>.tmp` and fsyncs it; `publish()` links
 it to its final `.parquet` name only if that name does not exist yet (a
 create-if-absent, never a rename over), then fsyncs the directory. A segment's
-name is its first offset (see `sinks.layout`), so when two writers believe they
+name is its first offset (see `pipeline.core.layout`), so when two writers believe they
 own a partition, exactly one of them publishes the range starting there and the
 other learns it lost. A published file is never rewritten.
 
-On an object store (see sinks.layout) there is no link and no temp file:
+On an object store (see pipeline.core.layout) there is no link and no temp file:
 `stage()` encodes the segment in memory and `publish()` uploads it with a
 create-if-absent PUT (`If-None-Match: *`) under the same final name, which the
 store makes durable before it answers. The race between two owners is the
@@ -33,11 +33,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import OutputError
-from pipeline.host import fsync_dir
-from pipeline.model.spec import ModelInfo
-from pipeline.records import GoodRecord
-from sinks.layout import TMP_SUFFIX, VECTORS_DIR, Output, SegmentKey, vectors_dir, vectors_key
+from pipeline.core.errors import OutputError
+from pipeline.core.host import fsync_dir
+from pipeline.core.layout import (
+    TMP_SUFFIX,
+    VECTORS_DIR,
+    Output,
+    SegmentKey,
+    vectors_dir,
+    vectors_key,
+)
+from pipeline.core.model_info import ModelInfo
+from pipeline.core.records import GoodRecord
 from sinks.segments import segment_metadata
 from sinks.vectors_swap import VectorsLock, fenced
 from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files

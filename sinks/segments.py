@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import OutputError
-from sinks.layout import QUARANTINE_DIR, Output, SegmentFile, describe, quarantine_dir
+from pipeline.core.errors import OutputError
+from pipeline.core.layout import QUARANTINE_DIR, Output, SegmentFile, describe, quarantine_dir
 from sinks.vectors_swap import VectorsLock
 
 if TYPE_CHECKING:

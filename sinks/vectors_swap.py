@@ -45,8 +45,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TypeVar
 
-from pipeline.errors import OutputError
-from sinks.layout import (
+from pipeline.core.errors import OutputError
+from pipeline.core.layout import (
     GENERATION_FILE,
     VECTORS_DIR,
     Output,

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from pipeline.host import process_alive
-from sinks.layout import TMP_SUFFIX
+from pipeline.core.host import process_alive
+from pipeline.core.layout import TMP_SUFFIX
 
 HOST = socket.gethostname().replace(".", "_")
 # Distinguishes this process from an earlier one with the same pid (pid 1 in containers).

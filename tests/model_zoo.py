@@ -45,7 +45,7 @@ def texts(extra: int = 0) -> list[str]:
     """TEXTS, and `extra` paragraphs of the stdlib sample corpus after them."""
     if not extra:
         return list(TEXTS)
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     return [*TEXTS, *sample_texts(extra)]
 
@@ -253,7 +253,7 @@ def _bert_tokenizer(cased: bool) -> Any:
 
 
 def _training_texts() -> list[str]:
-    from pipeline.corpus import sample_texts
+    from pipeline.core.corpus import sample_texts
 
     return [*sample_texts(300), *TEXTS * 10]
 

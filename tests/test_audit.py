@@ -31,7 +31,7 @@ from pipeline.audit import (
     runs,
     within,
 )
-from sinks.layout import SegmentKey, segments_by_partition, vectors_dir
+from pipeline.core.layout import SegmentKey, segments_by_partition, vectors_dir
 from sinks.segments import START_FROM_COMMITTED, read_info
 from tests.helpers import (
     PIPELINE,

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from pipeline.batcher import Batcher, CloseReason, MicroBatch
-from pipeline.records import BadRecord, GoodRecord, SourceRecord
+from consumers.batcher import Batcher, CloseReason, MicroBatch
+from pipeline.core.records import BadRecord, GoodRecord, SourceRecord
 
 Item = tuple[GoodRecord | BadRecord, list[int] | None]
 

@@ -1,4 +1,4 @@
-"""pipeline.bert against transformers: the same token ids and last hidden states on
+"""pipeline.model.bert against transformers: the same token ids and last hidden states on
 the real default model, the tiny random BERT and random RoBERTa/XLM-R folders; the
 embedder on it at fp32, bf16 and int8; start-up without importing transformers;
 and the fallback to transformers where a folder is not one it runs."""
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import bert
-from pipeline.corpus import sample_texts
-from pipeline.embedder import Embedder, Tokenized, activation_bytes_per_token
-from pipeline.errors import ModelError
+from pipeline.core.corpus import sample_texts
+from pipeline.core.errors import ModelError
+from pipeline.model import bert
+from pipeline.model.embedder import Embedder, Tokenized, activation_bytes_per_token
 from pipeline.model.spec import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -337,7 +337,7 @@ def test_int8_without_torch_quantization_is_one_clear_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """torch.ao.quantization is deprecated: a torch that drops it refuses int8 in one line."""
-    from pipeline.embedder import _apply_precision
+    from pipeline.model.embedder import _apply_precision
 
     monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")
     with pytest.raises(ModelError, match=r"int8 needs torch\.ao\.quantization"):
@@ -348,7 +348,7 @@ def test_int8_without_torch_quantization_is_one_clear_error(
 
 
 def test_default_model_loads_without_transformers() -> None:
-    """The point of pipeline.bert: transformers (and the torch._dynamo and
+    """The point of pipeline.model.bert: transformers (and the torch._dynamo and
     torch.distributed.tensor its modeling code imports) stay out of start-up, once
     the model's tokenizer is resolved (pipeline.model.tokenizer: the first start)."""
     from pipeline.model.spec import ModelSpec
@@ -356,7 +356,7 @@ def test_default_model_loads_without_transformers() -> None:
     ModelSpec.read("default")
     code = (
         "import sys\n"
-        "from pipeline.embedder import Embedder\n"
+        "from pipeline.model.embedder import Embedder\n"
         "e = Embedder.load('default')\n"
         "assert e.embed(['hello world', '你好']).shape == (2, 384)\n"
         "heavy = ('transformers', 'sentence_transformers', 'torch._dynamo')\n"

@@ -1,4 +1,4 @@
-"""The embedding cache by content (pipeline.cache): keys, the LRU, embed_cached on a
+"""The embedding cache by content (pipeline.model.cache): keys, the LRU, embed_cached on a
 real (tiny) model, the Redis tier against a real redis-server, outages (a closed
 port, a server that never answers, a server stopped mid-run), and a worker's
 Parquet rows with and without the cache against the real broker."""
@@ -23,22 +23,20 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cache import (
+from pipeline.core.config import WorkerConfig, check_cache_spec, parse_cache_size, redact_url
+from pipeline.core.errors import ConfigError
+from pipeline.core.metrics import WorkerMetrics
+from pipeline.core.model_info import ModelInfo
+from pipeline.model.cache import (
     BREAKER_FIRST_S,
     CacheStats,
     EmbeddingCache,
     LruCache,
     RedisCache,
-    check_cache_spec,
     embed_cached,
     model_fingerprint,
-    parse_cache_size,
     text_keys,
 )
-from pipeline.config import WorkerConfig, redact_url
-from pipeline.errors import ConfigError
-from pipeline.metrics import WorkerMetrics
-from pipeline.model.spec import ModelInfo
 from tests.helpers import (
     REPO,
     committed_offsets,
@@ -224,7 +222,7 @@ def test_lru_bound_in_bytes_holds_its_memory() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model: str):
-    from pipeline.embedder import Embedder
+    from pipeline.model.embedder import Embedder
 
     embedder = Embedder.load(tiny_model, precision="fp32", device="cpu")
     yield embedder
@@ -393,7 +391,7 @@ def test_a_failed_call_is_logged_once_a_minute(tiny, caplog) -> None:
     now = [0.0]
     remote = RedisCache(f"redis://127.0.0.1:{_free_port()}/0", namespace=b"t:", timeout_s=0.2)
     cache = _lru_cache(tiny, remote=remote, clock=lambda: now[0])
-    with caplog.at_level("WARNING", logger="pipeline.cache"):
+    with caplog.at_level("WARNING", logger="pipeline.model.cache"):
         for i in range(10):
             now[0] += 31  # past the breaker's longest wait: every call is tried and fails
             embed_cached(tiny, cache, [f"t{i}"], tiny.tokenize([f"t{i}"]))

@@ -97,7 +97,7 @@ def test_plans_are_seeded_and_cover_every_scenario() -> None:
 def test_tiny_model_loads_and_embeds(tmp_path: Path) -> None:
     from tiny_model import ensure_tiny_model
 
-    from pipeline.embedder import Embedder
+    from pipeline.model.embedder import Embedder
 
     folder = ensure_tiny_model(tmp_path / "tiny")
     assert ensure_tiny_model(folder) == folder  # cached: not rebuilt

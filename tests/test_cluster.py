@@ -7,9 +7,9 @@ from __future__ import annotations
 import kafka.errors as kerrors
 import pytest
 
-from pipeline import cluster
-from pipeline.config import KafkaSettings
-from pipeline.errors import BrokerUnavailable, PipelineError
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import BrokerUnavailable, PipelineError
+from pipeline.kafka import cluster
 
 KAFKA = KafkaSettings(bootstrap_servers="broker-a:9092")
 

@@ -16,14 +16,14 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import OutputError
+from pipeline.core.errors import OutputError
+from pipeline.core.layout import SegmentKey, iter_segments, segments_by_partition, vectors_dir
 from sinks import compaction as compaction_mod
 from sinks import vectors_swap
 from sinks.compact_process import compact_in_child
 from sinks.compaction import compact, settle
-from sinks.faiss_index import IndexStore
-from sinks.index_check import check_index
-from sinks.layout import SegmentKey, iter_segments, segments_by_partition, vectors_dir
+from sinks.index.check import check_index
+from sinks.index.store import IndexStore
 from sinks.segments import covered_through, quarantine, read_info
 from sinks.vectors_swap import fenced, read_consistently
 from tests import helpers

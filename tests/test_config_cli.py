@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from pipeline import cli
-from pipeline.config import KafkaSettings, WorkerConfig
-from pipeline.errors import ConfigError
+from pipeline.core.config import KafkaSettings, WorkerConfig
+from pipeline.core.errors import ConfigError
 
 RUN = ["run", "--topic", "docs", "--group", "g1", "--output", "/tmp/out"]
 

@@ -21,10 +21,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedder import Embedder
-from pipeline.errors import ConfigError, ModelError
+from pipeline.core.errors import ConfigError, ModelError
+from pipeline.model.embedder import Embedder
+from pipeline.model.precision import DEFAULT_MIN_COSINE
 from pipeline.model.spec import ModelSpec
-from pipeline.precision import DEFAULT_MIN_COSINE
 from tests import model_zoo
 from tests.helpers import publish_json, run_until_end
 

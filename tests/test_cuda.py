@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.corpus import sample_texts
-from pipeline.embedder import Embedder, pick_device
-from pipeline.errors import ModelError
-from pipeline.precision import candidates_for, cosine_rows, neighbour_recall
+from pipeline.core.corpus import sample_texts
+from pipeline.core.errors import ModelError
+from pipeline.model.embedder import Embedder, pick_device
+from pipeline.model.precision import candidates_for, cosine_rows, neighbour_recall
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 

@@ -17,9 +17,9 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from consumers import repair
-from pipeline.config import KafkaSettings
-from pipeline.errors import IndexStateError, OutputError, PipelineError
-from sinks.layout import quarantine_dir, segments_by_partition, vectors_dir
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import IndexStateError, OutputError, PipelineError
+from pipeline.core.layout import quarantine_dir, segments_by_partition, vectors_dir
 from sinks.writers import STALE_TEMP_AGE_S
 from tests.helpers import (
     PIPELINE,

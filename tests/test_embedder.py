@@ -11,17 +11,17 @@ import random
 import numpy as np
 import pytest
 
-import pipeline.embedder as embedder_mod
-from pipeline.corpus import sample_texts
-from pipeline.embedder import (
+import pipeline.model.embedder as embedder_mod
+from pipeline.core.corpus import sample_texts
+from pipeline.core.host import CpuPlan
+from pipeline.model.embedder import (
     TRIM_AFTER_BYTES,
     Embedder,
     EmbedStats,
     Tokenized,
     activation_bytes_per_token,
 )
-from pipeline.host import CpuPlan
-from pipeline.shapes import Pass, ShapePlan, pass_defaults
+from pipeline.model.shapes import Pass, ShapePlan, pass_defaults
 
 
 @pytest.fixture(scope="module")

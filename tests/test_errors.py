@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import (
+from pipeline.core.errors import (
     BrokerUnavailable,
     ConfigError,
     ModelError,

@@ -12,14 +12,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import IndexStateError
-from pipeline.model.spec import ModelInfo
-from pipeline.records import GoodRecord, SourceRecord
-from sinks import faiss_index as faiss_mod
-from sinks.faiss_index import IndexStore, decode_id, encode_id
-from sinks.index_check import check_index
-from sinks.index_shards import MERGE_FANOUT, Shard, flat_file_bytes, next_merge
-from sinks.layout import INDEX_META_FILE, SegmentKey, index_dir, iter_segments, vectors_dir
+from pipeline.core.errors import IndexStateError
+from pipeline.core.layout import INDEX_META_FILE, SegmentKey, index_dir, iter_segments, vectors_dir
+from pipeline.core.model_info import ModelInfo
+from pipeline.core.records import GoodRecord, SourceRecord
+from sinks.index import store as faiss_mod
+from sinks.index.check import check_index
+from sinks.index.flat_files import flat_file_bytes
+from sinks.index.shards import MERGE_FANOUT, Shard, next_merge
+from sinks.index.store import IndexStore, decode_id, encode_id
 from sinks.parquet import ParquetSink, StagedFile
 
 DIM = 16
@@ -496,9 +497,9 @@ def test_a_sync_writes_only_the_new_vectors_and_reads_no_shard(
 def test_small_shards_merge_in_tiers_under_the_cap(
     out: Output, files: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    """Both ways of writing shards (sinks.flat_files, and faiss where the layout is
+    """Both ways of writing shards (sinks.index.flat_files, and faiss where the layout is
     not the one it streams) give the same index."""
-    from sinks.flat_files import flat_layout
+    from sinks.index.flat_files import flat_layout
 
     monkeypatch.setenv("PIPELINE_FLAT_FILES", files)
     flat_layout.cache_clear()
@@ -622,7 +623,7 @@ def test_scratch_folders_of_killed_workers_are_removed(tmp_path, monkeypatch) ->
     import subprocess
     import sys
 
-    from sinks import index_files
+    from sinks.index import files as index_files
 
     monkeypatch.setattr(index_files.tempfile, "gettempdir", lambda: str(tmp_path))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -7,11 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sinks.flat_files import flat_layout, merge_flat_files, write_flat_file
-from sinks.index_shards import (
-    contents,
+from sinks.index.flat_files import (
     faiss_flat,
     flat_file_bytes,
+    flat_layout,
+    merge_flat_files,
+    write_flat_file,
+)
+from sinks.index.shards import (
+    contents,
     read_index_file,
     write_index_file,
 )
@@ -90,7 +94,7 @@ def test_a_shard_written_from_parts_is_the_file_faiss_writes(tmp_path: Path) -> 
 
 
 def test_a_write_that_fails_is_one_output_error_and_leaves_nothing(tmp_path: Path) -> None:
-    from pipeline.errors import OutputError
+    from pipeline.core.errors import OutputError
 
     parts = [(np.ones((2, 8), dtype=np.float32), np.arange(2, dtype=np.int64))]
     with pytest.raises(OutputError):

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ModelError
-from pipeline.host import CpuPlan, call_on_fresh_thread, cgroup_cpu_quota, plan_cpu, usable_cpus
+from pipeline.core.errors import ModelError
+from pipeline.core.host import (
+    CpuPlan,
+    call_on_fresh_thread,
+    cgroup_cpu_quota,
+    plan_cpu,
+    usable_cpus,
+)
 
 
 def test_returns_the_result_of_a_call_made_on_another_thread() -> None:
@@ -76,7 +82,7 @@ def test_a_cgroup_v1_quota_is_read_too(tmp_path: Path) -> None:
 def test_affinity_bounds_the_usable_cpus() -> None:
     assert usable_cpus() <= len(os.sched_getaffinity(0))
     if len(os.sched_getaffinity(0)) > 1:
-        script = "from pipeline.host import usable_cpus; print(usable_cpus())"
+        script = "from pipeline.core.host import usable_cpus; print(usable_cpus())"
         pinned = subprocess.run(
             ["taskset", "-c", "0", sys.executable, "-c", script],
             capture_output=True,
@@ -110,7 +116,7 @@ def test_the_cpu_plan(
 def test_releasing_free_memory_gives_pages_back() -> None:
     """After a burst of freed blocks the resting RSS comes down (glibc's heap)."""
     script = (
-        "from pipeline.host import release_free_memory\n"
+        "from pipeline.core.host import release_free_memory\n"
         "def rss():\n"
         "    return int(open('/proc/self/statm').read().split()[1])\n"
         "blocks = [bytearray(100_000) for _ in range(2000)]\n"  # heap, under the mmap threshold
@@ -134,7 +140,7 @@ def test_releasing_free_memory_gives_pages_back() -> None:
 
 _THREAD_HEAPS = (
     "import sys, threading\n"
-    "from pipeline.host import use_one_malloc_arena\n"
+    "from pipeline.core.host import use_one_malloc_arena\n"
     "if sys.argv[1] == 'one':\n"
     "    assert use_one_malloc_arena()\n"
     "def heaps():\n"  # glibc's thread heaps: anonymous read-write mappings on 64 MiB

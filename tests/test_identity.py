@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import OutputError
-from pipeline.identity import check_output_model, differences, recorded_model
-from pipeline.model.spec import ModelInfo
-from pipeline.records import GoodRecord, SourceRecord
-from sinks.layout import SegmentKey
+from pipeline.core.errors import OutputError
+from pipeline.core.layout import SegmentKey
+from pipeline.core.model_info import ModelInfo
+from pipeline.core.records import GoodRecord, SourceRecord
+from sinks.identity import check_output_model, differences, recorded_model
 from sinks.parquet import ParquetSink
 from tests.helpers import (
     committed_offsets,

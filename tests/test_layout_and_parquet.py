@@ -17,12 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import OutputError
-from pipeline.model.spec import ModelInfo
-from pipeline.records import GoodRecord, SourceRecord
-from sinks import parquet as parquet_mod
-from sinks import writers
-from sinks.layout import (
+from pipeline.core.errors import OutputError
+from pipeline.core.layout import (
     SegmentFile,
     SegmentKey,
     iter_segments,
@@ -30,6 +26,10 @@ from sinks.layout import (
     segments_by_partition,
     vectors_dir,
 )
+from pipeline.core.model_info import ModelInfo
+from pipeline.core.records import GoodRecord, SourceRecord
+from sinks import parquet as parquet_mod
+from sinks import writers
 from sinks.parquet import ParquetSink, output_error
 from sinks.segments import DamagedSegment, covered_through, pending_notes, quarantine, read_info
 from sinks.writers import remove_stale_temp_files

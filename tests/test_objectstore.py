@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import ConfigError, OutputError
+from pipeline.core.errors import ConfigError, OutputError
 from sinks.objectstore import ObjectStore, S3Url, is_object_store_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3]

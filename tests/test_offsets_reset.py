@@ -18,8 +18,8 @@ from kafka.admin import KafkaAdminClient
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.cli import main
-from pipeline.errors import BrokerUnavailable, ConfigError, TopicMissing
-from pipeline.offsets import (
+from pipeline.core.errors import BrokerUnavailable, ConfigError, TopicMissing
+from pipeline.kafka.offsets import (
     DATETIME,
     EARLIEST,
     OFFSET,

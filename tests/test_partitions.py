@@ -14,10 +14,10 @@ import pytest
 from kafka import TopicPartition
 
 from consumers.partitions import Change, Listener, Ownership, Reader
-from pipeline.config import KafkaSettings
-from pipeline.model.spec import ModelInfo
-from pipeline.records import GoodRecord, SourceRecord
-from sinks.layout import SegmentKey, quarantine_dir, vectors_dir
+from pipeline.core.config import KafkaSettings
+from pipeline.core.layout import SegmentKey, quarantine_dir, vectors_dir
+from pipeline.core.model_info import ModelInfo
+from pipeline.core.records import GoodRecord, SourceRecord
 from sinks.parquet import ParquetSink
 from sinks.segments import START_FROM_COMMITTED
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import precision as precision_mod
-from pipeline.corpus import sample_texts
-from pipeline.embedder import Embedder
-from pipeline.precision import (
+from pipeline.core.corpus import sample_texts
+from pipeline.model import precision as precision_mod
+from pipeline.model.embedder import Embedder
+from pipeline.model.precision import (
     Gate,
     PrecisionReport,
     cache_path,

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from kafka import KafkaConsumer, TopicPartition
 
 from pipeline import cli
-from pipeline.errors import ConfigError
-from pipeline.producer import BadInputLine, InputRow, detect_format, read_rows
+from pipeline.core.errors import ConfigError
+from pipeline.kafka.producer import BadInputLine, InputRow, detect_format, read_rows
 
 
 def rows(path: Path, fmt: str, text_field: str = "text") -> list[InputRow]:

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from pipeline import progress as progress_module
-from pipeline.progress import Progress, format_duration
+from pipeline.core import progress as progress_module
+from pipeline.core.progress import Progress, format_duration
 
 
 class _Tty(io.StringIO):
@@ -44,7 +44,7 @@ def test_not_a_terminal_logs_periodically(
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
     stream = io.StringIO()
     bar = Progress("producing", None, stream=stream, log_every_s=10)
-    with caplog.at_level(logging.INFO, logger="pipeline.progress"):
+    with caplog.at_level(logging.INFO, logger="pipeline.core.progress"):
         for step in range(1, 31):
             now[0] = float(step)
             bar.update(step * 100)

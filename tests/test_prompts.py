@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.embedder import Embedder
-from pipeline.errors import ModelError
-from pipeline.prompts import Prompts, read_prompts, resolve
+from pipeline.core.errors import ModelError
+from pipeline.model.embedder import Embedder
+from pipeline.model.prompts import Prompts, read_prompts, resolve
 
 
 def folder(tmp_path: Path, config: object | None) -> Path:

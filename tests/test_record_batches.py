@@ -1,4 +1,4 @@
-"""The batch decoder (consumers.record_batches) yields what kafka-python yields: the
+"""The batch decoder (pipeline.kafka.record_batches) yields what kafka-python yields: the
 same ConsumerRecord tuples, positions, errors and skipped transactions, for every
 batch kind a broker can return (but for header keys that are not UTF-8, which it reads
 as the Java client does, and kafka-python fails on); and it is used only with the
@@ -27,9 +27,9 @@ from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchB
 from kafka.record.legacy_records import LegacyRecordBatchBuilder
 from kafka.record.util import calc_crc32c
 
-from consumers import record_batches
-from consumers.record_batches import BatchDecodedRecords
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.kafka import record_batches
+from pipeline.kafka.record_batches import BatchDecodedRecords
 from tests.helpers import NOT_UTF8_KEYS, RawHeaderKey
 
 MIRRORED = kafka.__version__ == record_batches.MIRRORED_RELEASE

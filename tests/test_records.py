@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.records import (
+from pipeline.core.records import (
     STAGE_DECODE,
     STAGE_VALIDATE,
     BadRecord,

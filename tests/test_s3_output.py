@@ -24,9 +24,9 @@ import faiss
 import numpy as np
 import pytest
 
-from pipeline.records import SourceRecord
-from sinks.faiss_index import IndexStore, decode_id
-from sinks.layout import SegmentKey
+from pipeline.core.layout import SegmentKey
+from pipeline.core.records import SourceRecord
+from sinks.index.store import IndexStore, decode_id
 from tests.helpers import (
     PIPELINE,
     REPO,
@@ -270,8 +270,8 @@ def test_a_damaged_object_is_moved_aside_and_read_again(
 
 
 def _write_segment(url: str, topic: str, partition: int, first: int, count: int) -> None:
-    from pipeline.model.spec import ModelInfo
-    from pipeline.records import GoodRecord
+    from pipeline.core.model_info import ModelInfo
+    from pipeline.core.records import GoodRecord
     from sinks.objectstore import ObjectStore
     from sinks.parquet import ParquetSink
 
@@ -291,7 +291,7 @@ def _write_segment(url: str, topic: str, partition: int, first: int, count: int)
 def test_index_writers_racing_on_one_prefix_commit_every_vector_once(s3_url, monkeypatch):
     """Four index stores (as four workers) sync while segments keep arriving: every
     commit is a create-if-absent of the next manifest, losers sync again."""
-    from sinks import index_files
+    from sinks.index import files as index_files
     from sinks.objectstore import ObjectStore
 
     monkeypatch.setattr(index_files, "GRACE_S", 5.0)  # collect unlisted shards soon
@@ -348,8 +348,8 @@ def test_index_writers_racing_on_one_prefix_commit_every_vector_once(s3_url, mon
 def test_a_footer_costs_one_request_and_an_outage_is_not_damage(s3_url):
     from pathlib import PurePosixPath
 
-    from pipeline.errors import OutputError
-    from sinks.layout import SegmentFile, iter_segments
+    from pipeline.core.errors import OutputError
+    from pipeline.core.layout import SegmentFile, iter_segments
     from sinks.objectstore import ObjectStore
     from sinks.segments import DamagedSegment, read_info
 

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from pipeline.shapes import MIN_PASS_ROWS, PADDING_TARGET, ShapePlan, pass_defaults
+from pipeline.model.shapes import MIN_PASS_ROWS, PADDING_TARGET, ShapePlan, pass_defaults
 
 
 def test_widths_round_up_to_a_few_buckets_per_octave() -> None:

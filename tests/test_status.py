@@ -18,8 +18,9 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.cli import main
-from pipeline.config import KafkaSettings
-from pipeline.errors import BrokerUnavailable, ConfigError, PipelineError, TopicMissing
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import BrokerUnavailable, ConfigError, PipelineError, TopicMissing
+from pipeline.core.layout import vectors_dir
 from pipeline.status import (
     LAGGING,
     MISMATCH,
@@ -38,7 +39,6 @@ from pipeline.status import (
     worst,
 )
 from pipeline.status.outputs import output_facts
-from sinks.layout import vectors_dir
 from tests.helpers import truncate, write_segment
 
 # --------------------------------------------------------------------------- helpers
@@ -519,7 +519,7 @@ def test_exit_codes() -> None:
     assert [exit_code_for(v) for v in (OK, LAGGING, STALLED, STOPPED, MISMATCH)] == [0, 1, 2, 3, 4]
     assert worst([STOPPED, MISMATCH, OK]) == MISMATCH  # the most severe
     # No operational error may look like a verdict.
-    from pipeline import errors
+    from pipeline.core import errors
 
     codes = {
         c.exit_code

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from kafka import TopicPartition
 from kafka.future import Future
 
+from consumers.batcher import Batcher, CloseReason, MicroBatch
 from consumers.committer import OffsetCommitter
 from consumers.partitions import Ownership, Reader
 from consumers.tiers import (
@@ -32,10 +33,9 @@ from consumers.tiers import (
     unpark_resumed,
 )
 from pipeline import cli
-from pipeline.batcher import Batcher, CloseReason, MicroBatch
-from pipeline.config import KafkaSettings, WorkerConfig
-from pipeline.errors import ConfigError
-from pipeline.records import GoodRecord, SourceRecord
+from pipeline.core.config import KafkaSettings, WorkerConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.records import GoodRecord, SourceRecord
 from pipeline.status import LAGGING, MISMATCH, OK, STALLED, render_table
 from pipeline.status.tiers import apply_tiers
 from tests.test_partitions import FakeConsumer

@@ -17,9 +17,9 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from consumers.tokenize_process import TokenizerPool, TokenizerProcess
-from pipeline.embedder import Embedder
-from pipeline.errors import PipelineError
-from pipeline.records import GoodRecord, RecordParser, SourceRecord
+from pipeline.core.errors import PipelineError
+from pipeline.core.records import GoodRecord, RecordParser, SourceRecord
+from pipeline.model.embedder import Embedder
 from tests.helpers import (
     REPO,
     committed_offsets,
@@ -91,7 +91,7 @@ def test_vectors_from_the_childs_ids_equal_the_in_process_ones(embedder: Embedde
         texts, ids, _ = child_ids(child, texts)
     finally:
         child.close()
-    from pipeline.embedder import Tokenized
+    from pipeline.model.embedder import Tokenized
 
     lengths = np.fromiter(map(len, ids), np.int64, len(ids))
     vectors, _ = embedder.embed_tokens(Tokenized(ids, lengths, 0))

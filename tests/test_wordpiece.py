@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from pipeline import wordpiece
-from pipeline.corpus import sample_texts
-from pipeline.embedder import TOKENIZER_ENV, Embedder
+from pipeline.core.corpus import sample_texts
+from pipeline.model import wordpiece
+from pipeline.model.embedder import TOKENIZER_ENV, Embedder
 
 
 def rust(embedder: Embedder) -> Tokenizer:
@@ -260,7 +260,7 @@ def test_characters_the_check_disagrees_on_go_to_the_rust_tokenizer(
 
 def test_the_rust_tokenizer_can_be_chosen(monkeypatch: pytest.MonkeyPatch, embedder) -> None:
     monkeypatch.setenv(TOKENIZER_ENV, "rust")
-    from pipeline.embedder import tokenizer_choice
+    from pipeline.model.embedder import tokenizer_choice
 
     assert tokenizer_choice() == "rust"
     monkeypatch.setenv(TOKENIZER_ENV, "fastest")

@@ -352,7 +352,7 @@ def test_memory_stays_flat_with_a_backlog_far_larger_than_the_working_set(
     polled, batches it had committed, or a fetch it did not bound would grow by a
     good share of it. The tiny model keeps this to the worker's own memory (and
     quick): what a real model's passes hold under a backlog is bounded by the
-    pass budget (pipeline.shapes) and measured by scripts/memory.py.
+    pass budget (pipeline.model.shapes) and measured by scripts/memory.py.
     """
     record_bytes = 60_000
     flags = ["--model", tiny_model, "--max-batch-bytes", str(1 << 20), "--max-in-flight", "2"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.audit.ranges import Key, Range, complement, describe_ranges, merge
-from sinks.layout import SegmentFile, segments_by_partition
+from pipeline.core.layout import SegmentFile, segments_by_partition
 from sinks.segments import DamagedSegment, SegmentInfo, read_info
 from sinks.vectors_swap import read_consistently
 

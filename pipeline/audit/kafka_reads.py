@@ -12,11 +12,11 @@ import numpy as np
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
-from pipeline import cluster
 from pipeline.audit.accounting import Scan
 from pipeline.audit.ranges import EMPTY, Key, Range, merge, within
-from pipeline.config import KafkaSettings
-from pipeline.errors import BrokerUnavailable, PipelineError
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import BrokerUnavailable, PipelineError
+from pipeline.kafka import cluster
 
 # Gaps closer than this are read in one window: reading a few hundred accounted
 # records costs less than a seek and a fetch round trip each. A transactional

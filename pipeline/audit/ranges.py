@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from sinks.layout import TopicPartitionKey
+from pipeline.core.layout import TopicPartitionKey
 
 Key = TopicPartitionKey
 Range = tuple[int, int]  # first and last offset, both included

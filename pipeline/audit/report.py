@@ -9,7 +9,7 @@ from typing import Any
 from pipeline.audit.accounting import PartitionAudit
 from pipeline.audit.kafka_reads import DeadLetters
 from pipeline.audit.ranges import count, describe_ranges
-from pipeline.tables import align
+from pipeline.core.tables import align
 
 
 def audit_report(

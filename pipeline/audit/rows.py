@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 
 from pipeline.audit.coverage import Coverage, DamagedFile, check_coverage
 from pipeline.audit.ranges import EMPTY, Key
-from sinks.layout import segments_by_partition
+from pipeline.core.layout import segments_by_partition
 from sinks.segments import DamagedSegment, SegmentInfo, read_rows
 from sinks.vectors_swap import read_consistently
 

@@ -8,16 +8,15 @@ from typing import Any
 
 from kafka import TopicPartition
 
-from consumers import record_batches
-from pipeline import cluster
 from pipeline.audit.accounting import audit_partition
 from pipeline.audit.kafka_reads import STALL_S, DeadLetters, kafka_scan, read_dead_letters
 from pipeline.audit.ranges import Key
 from pipeline.audit.report import audit_report
 from pipeline.audit.rows import read_output_rows
-from pipeline.config import KafkaSettings
-from pipeline.errors import ConfigError, TopicMissing
-from sinks.layout import describe, has_vectors
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import ConfigError, TopicMissing
+from pipeline.core.layout import describe, has_vectors
+from pipeline.kafka import cluster, record_batches
 from sinks.segments import pending_notes
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.model.precision import cosine_rows as _cosines
 from pipeline.model.spec import ModelSpec
-from pipeline.precision import cosine_rows as _cosines
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.errors import ModelError
+from pipeline.core.errors import ModelError
 from pipeline.model.stack import Dense, LayerNorm, ModuleStack, Normalize
 
 

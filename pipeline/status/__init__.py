@@ -11,7 +11,7 @@ One module per concern:
 
     verdicts     verdicts, exit codes, rates and ETA (pure)
     history      StatusHistory: samples kept between refreshes
-    kafka_reads  what is read from Kafka, through pipeline.cluster, fast
+    kafka_reads  what is read from Kafka, through pipeline.kafka.cluster, fast
     outputs      what the output directory says per partition
     collect      collect_status: one report
     render       render_table: its human form

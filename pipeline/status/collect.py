@@ -12,8 +12,8 @@ import kafka.errors as kerrors
 from kafka import KafkaConsumer
 
 from pipeline.audit.run import present_topics, resolve_topics
-from pipeline.config import KafkaSettings
-from pipeline.errors import ConfigError
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import ConfigError
 from pipeline.status import kafka_reads as reads
 from pipeline.status.history import Key, StatusHistory
 from pipeline.status.outputs import PartitionOutput, output_facts

@@ -1,4 +1,4 @@
-"""What `pipeline status` reads from Kafka, through `pipeline.cluster`, fast.
+"""What `pipeline status` reads from Kafka, through `pipeline.kafka.cluster`, fast.
 
 A status probe must answer in seconds: clients get short bootstrap and request
 timeouts, and every call shares one overall `Deadline` (about 15 s) for its
@@ -16,8 +16,8 @@ from typing import Any
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment
 
-from pipeline import cluster
-from pipeline.config import KafkaSettings
+from pipeline.core.config import KafkaSettings
+from pipeline.kafka import cluster
 
 Key = tuple[str, int]
 

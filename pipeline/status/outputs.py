@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.audit.coverage import Coverage, check_coverage, output_coverage
-from sinks.index_files import index_files
-from sinks.layout import Output, describe, has_vectors
+from pipeline.core.layout import Output, describe, has_vectors
+from sinks.index.files import index_files
 
 Key = tuple[str, int]
 

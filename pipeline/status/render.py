@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.tables import align
+from pipeline.core.tables import align
 
 
 def render_table(status: Mapping[str, Any]) -> str:

@@ -17,7 +17,7 @@ history of samples and for the group as the worst of its partitions:
                          for every committed offset, or two of them overlap
 
 Operational errors (broker down, bad configuration) never use 0-4: see
-`pipeline.errors`.
+`pipeline.core.errors`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline.config import KafkaSettings
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import ConfigError, PipelineError
 from pipeline.status.collect import collect_status
 from pipeline.status.history import StatusHistory
 from pipeline.status.render import render_table

@@ -14,7 +14,7 @@ where ``<n>`` counts the paragraphs kept from that module in source order, so an
 same paragraph whatever ``--seed`` or ``--limit`` is used.
 
 `sample_texts()` gives the texts the precision gate (`pipeline model check`, `--precision
-auto`) measures on; `scripts/make_corpus.py` and `python -m pipeline.corpus` write the corpus.
+auto`) measures on; `scripts/make_corpus.py` and `python -m pipeline.core.corpus` write the corpus.
 """
 
 from __future__ import annotations

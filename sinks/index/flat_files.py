@@ -23,16 +23,36 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
-
-from sinks.index_shards import faiss_flat, flat_file_bytes
 
 _COUNT = struct.Struct("<q")
 _CHUNK_BYTES = 1 << 20
 # A count whose bytes differ from one another, to find the count fields in a header.
 _PROBE = 258
+
+
+def vector_bytes(dim: int) -> int:
+    return dim * 4 + 8  # the float32 vector and its int64 id
+
+
+@lru_cache(maxsize=8)
+def _flat_header_bytes(dim: int) -> int:
+    import faiss
+
+    return len(faiss.serialize_index(faiss_flat(dim)))
+
+
+def flat_file_bytes(dim: int, count: int) -> int:
+    """The exact size of a flat shard file of `count` vectors: checked without reading it."""
+    return _flat_header_bytes(dim) + count * vector_bytes(dim)
+
+
+def faiss_flat(dim: int) -> Any:
+    import faiss
+
+    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.net.compat import KafkaNetClient
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.config import KafkaSettings
-from pipeline.errors import BrokerUnavailable, PipelineError, TopicMissing
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import BrokerUnavailable, PipelineError, TopicMissing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

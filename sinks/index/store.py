@@ -10,7 +10,7 @@ segment stops its partition's coverage (with a warning) until a worker repairs
 it; the other partitions go on.
 
 A sync writes the new vectors as new shard files and never loads the index (see
-sinks.index_shards): a worker's index upkeep costs what its new vectors cost,
+sinks.index.shards): a worker's index upkeep costs what its new vectors cost,
 however large the corpus. Readers add the shards up when they load.
 
 Each vector's id is derived from its record, so the same record can never get
@@ -20,7 +20,7 @@ small number per topic fixed in `index.json`.
 Sync, rebuild and load take an exclusive lock on `index/.lock`, so several
 workers on one output directory take turns and a reader never meets a shard
 that a merge is removing. On an object store writers race instead, and the
-loser of a commit syncs again from the winner's list (see sinks.index_files).
+loser of a commit syncs again from the winner's list (see sinks.index.files).
 
 Index types: `flat` is exact inner product (IndexFlatIP) over L2-normalised
 vectors, which is cosine similarity: no training, exact, search cost linear in
@@ -45,10 +45,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pipeline.errors import IndexStateError, OutputError
-from sinks.flat_files import merge_flat_files
-from sinks.index_files import index_files
-from sinks.index_shards import (
+from pipeline.core.errors import IndexStateError, OutputError
+from pipeline.core.layout import (
+    Output,
+    SegmentFile,
+    TopicPartitionKey,
+    describe,
+    iter_segments,
+    segments_by_partition,
+)
+from sinks.index.files import index_files
+from sinks.index.flat_files import faiss_flat, flat_file_bytes, merge_flat_files
+from sinks.index.shards import (
     FLAT,
     INDEX_TYPES,
     FileNames,
@@ -59,24 +67,14 @@ from sinks.index_shards import (
     VectorSink,
     cap_vectors,
     contents,
-    faiss_flat,
-    flat_file_bytes,
     ids_of,
     next_merge,
     read_index_file,
     table_vectors,
     write_checked,
 )
-from sinks.layout import (
-    Output,
-    SegmentFile,
-    TopicPartitionKey,
-    describe,
-    iter_segments,
-    segments_by_partition,
-)
+from sinks.index.trained import TrainedBuilder, trained_builder
 from sinks.segments import DamagedSegment, last_offset, read_rows, read_schema
-from sinks.trained_index import TrainedBuilder, trained_builder
 
 __all__ = ["INDEX_TYPES", "Hit", "IndexMeta", "IndexStore", "SyncStats", "decode_id", "encode_id"]
 
@@ -309,7 +307,7 @@ class IndexStore:
         return self._meta
 
     def _merge_small(self, meta: IndexMeta, names: FileNames, stats: SyncStats) -> None:
-        """Merges tiers of small flat shards (see sinks.index_shards); bounded by the cap."""
+        """Merges tiers of small flat shards (see sinks.index.shards); bounded by the cap."""
         cap = self._merge_cap(meta.dim)
         while group := next_merge(meta.shards, cap):
             name = names.next()
@@ -326,7 +324,7 @@ class IndexStore:
             meta.shards.append(Shard(name, sum(s.count for s in group)))
 
     def _merge_streaming(self, group: list[Shard], target: Path, dim: int) -> int | None:
-        """The merged shard written from the files' bytes (sinks.flat_files), or None
+        """The merged shard written from the files' bytes (sinks.index.flat_files), or None
         where they must go through faiss."""
         sources = [(self.files.fetch(s.file), s.count) for s in group]
         try:

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
-from pipeline.config import KafkaSettings
-from pipeline.errors import BrokerUnavailable
-from pipeline.records import BadRecord
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import BrokerUnavailable
+from pipeline.core.records import BadRecord
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import ModelError
+from pipeline.core.errors import ModelError
 
 CONFIG_FILE = "config_sentence_transformers.json"
 DOCUMENT_NAMES = ("document", "passage", "corpus")

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.errors import IndexStateError
-from sinks.index_shards import IVF_PQ, FileNames, Shard, SyncStats, table_vectors, write_checked
-from sinks.layout import SegmentFile
+from pipeline.core.errors import IndexStateError
+from pipeline.core.layout import SegmentFile
+from sinks.index.shards import IVF_PQ, FileNames, Shard, SyncStats, table_vectors, write_checked
 from sinks.segments import DamagedSegment, read_info, read_table
 
 TRAIN_SAMPLE_MAX = 100_000

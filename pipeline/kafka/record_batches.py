@@ -41,7 +41,7 @@ from kafka.protocol.consumer import IsolationLevel
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.util import decode_varint
 
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.core.errors import ConfigError, PipelineError
 
 try:
     from crc32c import crc32c as _crc32c

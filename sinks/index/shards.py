@@ -28,13 +28,19 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.errors import IndexStateError
+from pipeline.core.errors import IndexStateError
+from sinks.index.flat_files import (
+    faiss_flat,
+    flat_file_bytes,
+    flat_layout,
+    vector_bytes,
+    write_flat_file,
+)
 
 FLAT = "flat"
 IVF = "ivf"
@@ -127,35 +133,11 @@ def cap_vectors(dim: int, cap_bytes: int = SHARD_CAP_BYTES) -> int:
     return max(1024, cap_bytes // vector_bytes(dim))
 
 
-def vector_bytes(dim: int) -> int:
-    return dim * 4 + 8  # the float32 vector and its int64 id
-
-
-@lru_cache(maxsize=8)
-def _flat_header_bytes(dim: int) -> int:
-    import faiss
-
-    return len(faiss.serialize_index(faiss_flat(dim)))
-
-
 def preload(dim: int) -> None:
     """Imports faiss and reads its shard layout now, at start-up: left to the first
     index sync, half a minute into a run, it added ~22 MB to a running worker."""
-    from sinks.flat_files import flat_layout
-
-    _flat_header_bytes(dim)
+    flat_file_bytes(dim, 0)
     flat_layout(dim)
-
-
-def flat_file_bytes(dim: int, count: int) -> int:
-    """The exact size of a flat shard file of `count` vectors: checked without reading it."""
-    return _flat_header_bytes(dim) + count * vector_bytes(dim)
-
-
-def faiss_flat(dim: int) -> Any:
-    import faiss
-
-    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
 
 
 def write_index_file(index: Any, path: Path) -> int:
@@ -318,8 +300,6 @@ class FlatShardWriter:
     def _write(self, path: Path) -> int:
         """Writes the buffered parts as they are: one gathered copy and a faiss index
         of them would double a shard's memory."""
-        from sinks.flat_files import write_flat_file
-
         size = write_flat_file(path, list(zip(self._vectors, self._ids, strict=True)))
         if size is not None:
             return size

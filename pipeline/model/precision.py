@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.embedder import Embedder, cpu_has_native_bf16, pick_device
+from pipeline.model.embedder import Embedder, cpu_has_native_bf16, pick_device
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)

@@ -27,10 +27,10 @@ from kafka import KafkaProducer, codec
 from kafka.errors import KafkaError
 from kafka.future import Future
 
-from pipeline import cluster
-from pipeline.config import KafkaSettings
-from pipeline.errors import BrokerUnavailable, ConfigError, PipelineError
-from pipeline.progress import Progress
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import BrokerUnavailable, ConfigError, PipelineError
+from pipeline.core.progress import Progress
+from pipeline.kafka import cluster
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.embedder import TokenIds, Tokenized
-from pipeline.records import BadRecord, GoodRecord
+from pipeline.core.records import BadRecord, GoodRecord
+from pipeline.model.embedder import TokenIds, Tokenized
 
 TopicPartitionKey = tuple[str, int]
 _batch_numbers = itertools.count(1)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.word_split import WordSplitter, code_points
+from pipeline.model.word_split import WordSplitter, code_points
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import IndexStateError
-from sinks.faiss_index import IndexMeta, IndexStore, encode_id
-from sinks.index_shards import table_vectors
-from sinks.layout import iter_segments, segments_by_partition
+from pipeline.core.errors import IndexStateError
+from pipeline.core.layout import iter_segments, segments_by_partition
+from sinks.index.shards import table_vectors
+from sinks.index.store import IndexMeta, IndexStore, encode_id
+from sinks.index.trained import RECALL_QUERIES, ExactTopK, training_sample
 from sinks.segments import read_table
-from sinks.trained_index import RECALL_QUERIES, ExactTopK, training_sample
 
 
 @dataclass(frozen=True)

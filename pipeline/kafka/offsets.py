@@ -1,7 +1,7 @@
 """`pipeline offsets reset`: move a consumer group's committed offsets.
 
 It does what `kafka-consumer-groups.sh --reset-offsets` does, through
-`pipeline.cluster`: one new offset per partition from one of five modes,
+`pipeline.kafka.cluster`: one new offset per partition from one of five modes,
 clamped into the partition's [earliest, end] range, committed for the group
 without joining it, read back, and refused while the group has members (a
 live member would overwrite the reset with its next commit, and the broker
@@ -22,10 +22,10 @@ from typing import Any
 import kafka.errors as kerrors
 from kafka import KafkaAdminClient, TopicPartition
 
-from pipeline import cluster
-from pipeline.config import KafkaSettings
-from pipeline.errors import ConfigError, PipelineError, TopicMissing
-from pipeline.tables import align
+from pipeline.core.config import KafkaSettings
+from pipeline.core.errors import ConfigError, PipelineError, TopicMissing
+from pipeline.core.tables import align
+from pipeline.kafka import cluster
 
 EARLIEST, LATEST, DATETIME, OFFSET, SHIFT = "earliest", "latest", "datetime", "offset", "shift"
 MODE_FLAGS = {

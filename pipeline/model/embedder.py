@@ -10,14 +10,14 @@ The hot path works on whole batches: the Rust tokenizer over a micro-batch (in
 chunks on several threads when it is large), numpy for sorting and padding, and
 forward passes over sub-batches of similar lengths whose padded size (rows x
 width) stays under a token budget, so that padding is a small share of the
-computed tokens. Pass shapes come from a bounded set (pipeline.shapes).
+computed tokens. Pass shapes come from a bounded set (pipeline.model.shapes).
 
 On the CPU the passes of a batch run on several model replicas at once: threads
 sharing one set of weights, each running its passes with a small OpenMP team (one
 thread by default). A multi-threaded pass stalls at every barrier when another
 process holds one of its cores; independent single-threaded passes do not, and
 they spend no time on small passes' fork/join. `plan_cpu` sizes both from the
-CPUs this process may really use (pipeline.host).
+CPUs this process may really use (pipeline.core.host).
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline import wordpiece
-from pipeline.errors import ModelError
-from pipeline.host import CpuPlan, release_free_memory
-from pipeline.model.spec import ModelInfo, ModelSpec
-from pipeline.shapes import Pass, ShapePlan, pass_defaults
+from pipeline.core.errors import ModelError
+from pipeline.core.host import CpuPlan, release_free_memory
+from pipeline.core.model_info import ModelInfo
+from pipeline.model import wordpiece
+from pipeline.model.shapes import Pass, ShapePlan, pass_defaults
+from pipeline.model.spec import ModelSpec
 
 if TYPE_CHECKING:
     from pipeline.model.head import Head
@@ -52,12 +53,12 @@ TOKENIZE_CHUNK = 512
 # reached this size (MiniLM passes from 342 tokens; a full one holds 12 MB): after
 # every pass of a tiny model, the trim cost more than the pass.
 TRIM_AFTER_BYTES = 2 << 20
-# Which implementation runs the model: "auto" (pipeline.bert for the BERT family,
-# transformers for the rest), "native" (pipeline.bert or a ModelError) or
-# "transformers" (to compare against, or to step around pipeline.bert).
+# Which implementation runs the model: "auto" (pipeline.model.bert for the BERT family,
+# transformers for the rest), "native" (pipeline.model.bert or a ModelError) or
+# "transformers" (to compare against, or to step around pipeline.model.bert).
 ENCODER_ENV = "PIPELINE_ENCODER"
 ENCODERS = ("auto", "native", "transformers")
-# Which tokenizer serves texts on the CPU: "auto" (pipeline.wordpiece where the
+# Which tokenizer serves texts on the CPU: "auto" (pipeline.model.wordpiece where the
 # model's tokenizer is BERT's WordPiece and the check at load agrees) or "rust"
 # (the Rust tokenizer for every text, to compare against).
 TOKENIZER_ENV = "PIPELINE_TOKENIZER"
@@ -157,7 +158,7 @@ class Embedder:
         self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
         # On the CPU the tokenizer takes cores from the model: the fast path
-        # (pipeline.wordpiece) costs a fraction of the Rust tokenizer's CPU time where
+        # (pipeline.model.wordpiece) costs a fraction of the Rust tokenizer's CPU time where
         # words repeat (scripts/tokenize_bench.py). On CUDA the tokenizer threads are
         # the ceiling, and the Rust ones run outside the GIL, side by side.
         self._wordpiece: wordpiece.FastWordPiece | None = None
@@ -168,7 +169,7 @@ class Embedder:
         # Tokens at the start of every row that pooling leaves out, per prompt
         # (sentence-transformers' include_prompt false).
         self._excluded: dict[str, int] = {}
-        # Long-lived threads: each keeps its own OpenMP team (see pipeline.host).
+        # Long-lived threads: each keeps its own OpenMP team (see pipeline.core.host).
         self._pool = ThreadPoolExecutor(
             max_workers=replicas,
             thread_name_prefix="embed-replica",
@@ -224,9 +225,9 @@ class Embedder:
         dimensions: int | None = None,
         spec: ModelSpec | None = None,
     ) -> Embedder:
-        """`encoder`: "auto" (pipeline.bert where it applies, else transformers),
+        """`encoder`: "auto" (pipeline.model.bert where it applies, else transformers),
         "native" or "transformers"; None reads PIPELINE_ENCODER (default auto).
-        `document_prompt` / `query_prompt`: None takes the model's own (pipeline.prompts),
+        `document_prompt` / `query_prompt`: None takes the model's own (pipeline.model.prompts),
         "" none. `dimensions`: Matryoshka truncation. `spec`: the model already read
         (pipeline.model.spec), instead of `model` and the three before."""
         import torch
@@ -306,7 +307,7 @@ class Embedder:
     def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
         """Token ids in the texts' order, each text after `prompt` (None: the document
         prompt), so the prompt's tokens count against max_length and every budget.
-        Through pipeline.wordpiece where it applies (on the caller's thread), the
+        Through pipeline.model.wordpiece where it applies (on the caller's thread), the
         texts it does not take through the Rust tokenizer."""
         texts = self.prompted(texts, prompt)
         if self._wordpiece is not None:
@@ -481,7 +482,7 @@ def _check_precision(precision: str, device: str) -> None:
     if precision == "fp16" and device == "cpu":
         raise ModelError("fp16 is for CUDA; on the CPU use bf16 (where native) or fp32")
     if precision == "auto":
-        raise ModelError("resolve --precision auto before loading (pipeline.precision)")
+        raise ModelError("resolve --precision auto before loading (pipeline.model.precision)")
 
 
 def _apply_precision(net: Any, precision: str, device: str) -> Any:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from sinks.layout import Output
+    from pipeline.core.layout import Output
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,6 +36,11 @@ SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 _SECRET_FIELDS = frozenset({"sasl_plain_password", "ssl_password"})
 _URL_FIELDS = frozenset({"cache"})  # URLs whose password is redacted
+# The embedding cache (pipeline.model.cache): off, in-process, or a Redis URL.
+CACHE_OFF = "off"
+CACHE_LRU = "lru"
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class WorkerConfig:
 
     topics: tuple[str, ...]
     group: str
-    output: Output  # a directory, or an object store (sinks.layout)
+    output: Output  # a directory, or an object store (pipeline.core.layout)
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     # Large batches sort better (fewer, fuller forward passes); they only fill
     # under a backlog, as a batch closes as soon as the worker has caught up.
@@ -113,14 +118,14 @@ class WorkerConfig:
     # records the worker holds, whatever their size.
     max_batch_bytes: int = 16 * 1024 * 1024
     # Padded tokens (longest x count) per forward pass; bounds activation memory.
-    # None: by device and model (pipeline.shapes.pass_defaults: 2048 for MiniLM on the
+    # None: by device and model (pipeline.model.shapes.pass_defaults: 2048 for MiniLM on the
     # CPU, 131072 on CUDA).
     sub_batch_tokens: int | None = None
     max_in_flight: int = 2
     precision: str = "auto"
     device: str = "auto"
     model: str = DEFAULT_MODEL
-    # Prepended to each record's text (pipeline.prompts); None: the model's own
+    # Prepended to each record's text (pipeline.model.prompts); None: the model's own
     # (config_sentence_transformers.json), "" none.
     document_prompt: str | None = None
     query_prompt: str | None = None
@@ -156,7 +161,7 @@ class WorkerConfig:
     shutdown_timeout_s: float = 60.0
     metrics_port: int | None = None
     progress: bool = True
-    # Forward-pass shapes: "bucketed" (a bounded set, pipeline.shapes) or "exact".
+    # Forward-pass shapes: "bucketed" (a bounded set, pipeline.model.shapes) or "exact".
     shapes: str = "bucketed"
     # Tokenizing in a child process, a poll ahead of the poll loop
     # (consumers.tokenize_process): "auto" where this process may use 2 CPUs or more.
@@ -164,10 +169,10 @@ class WorkerConfig:
     # How many, each taking a slice of every poll; None: one on the CPU, the plan's
     # tokenizer threads beside a GPU.
     tokenizer_processes: int | None = None
-    # Model replicas and threads per replica; None: from the usable CPUs (pipeline.host).
+    # Model replicas and threads per replica; None: from the usable CPUs (pipeline.core.host).
     replicas: int | None = None
     torch_threads: int | None = None
-    # The embedding cache by content (pipeline.cache): "off", "lru" (in-process), or
+    # The embedding cache by content (pipeline.model.cache): "off", "lru" (in-process), or
     # a Redis URL shared by workers and runs (the LRU stays in front). Size: entries
     # ("50000") or bytes ("32MiB"); the TTL and timeouts are the Redis tier's.
     cache: str = "lru"
@@ -222,8 +227,6 @@ class WorkerConfig:
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port")
         if self.text_field == self.id_field:
             raise ConfigError("--text-field and --id-field must differ")
-        from pipeline.cache import check_cache_spec, parse_cache_size
-
         check_cache_spec(self.cache)
         parse_cache_size(self.cache_size)
         _check_positive("cache timeout (ms)", self.cache_timeout_ms)
@@ -319,3 +322,38 @@ def _check_topic_name(topic: str) -> None:
     allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
     if not topic or len(topic) > 249 or not set(topic) <= allowed or topic in (".", ".."):
         raise ConfigError(f"{topic!r} is not a valid Kafka topic name")
+
+
+def parse_cache_size(value: str | int) -> tuple[int | None, int | None]:
+    """`--cache-size`: a plain number of entries ("50000"), or bytes with a unit
+    ("32MiB", "64MB", "1GiB", "500k"). Returns (entries, bytes), one of them None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ConfigError(f"--cache-size must be positive, got {value}")
+        return value, None
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ConfigError(
+            f"--cache-size {value!r} is neither a number of entries (50000) nor a size "
+            "with a unit (32MiB, 64MB, 1GiB)"
+        )
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if not unit:
+        if not number.is_integer() or number <= 0:
+            raise ConfigError(f"--cache-size {value!r}: a number of entries is a positive integer")
+        return int(number), None
+    base = 1024 if "i" in unit else 1000
+    size = int(number * base ** "bkmgt".index(unit[0]))
+    if size <= 0:
+        raise ConfigError(f"--cache-size must be positive, got {value!r}")
+    return None, size
+
+
+def check_cache_spec(spec: str) -> None:
+    """`--cache`: off, lru, or a Redis URL (redis://, rediss://, unix://)."""
+    if spec in (CACHE_OFF, CACHE_LRU) or spec.startswith(REMOTE_SCHEMES):
+        return
+    raise ConfigError(
+        f"--cache {redact_url(spec)!r} is not one of off, lru, redis://HOST:PORT/DB "
+        "(also rediss:// and unix://)"
+    )

@@ -1,6 +1,6 @@
 """Where the index's files live, and how a new list of shards is committed.
 
-The index (sinks.faiss_index) writes and reads shard files in a local directory
+The index (sinks.index.store) writes and reads shard files in a local directory
 and commits a new list of them; this module says what that means on each kind
 of output:
 
@@ -37,10 +37,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from pipeline.errors import OutputError
-from pipeline.host import process_alive
-from sinks.index_shards import IndexMeta, is_index_file
-from sinks.layout import INDEX_DIR, INDEX_META_FILE, Output, describe, index_dir
+from pipeline.core.errors import OutputError
+from pipeline.core.host import process_alive
+from pipeline.core.layout import INDEX_DIR, INDEX_META_FILE, Output, describe, index_dir
+from sinks.index.shards import IndexMeta, is_index_file
 
 if TYPE_CHECKING:
     from sinks.objectstore import ObjectInfo, ObjectStore

@@ -2,7 +2,7 @@
 
     DIR/vectors/<topic>-p<partition:05d>-<first:020d>.parquet   segments
     DIR/quarantine/                                             damaged segments, moved aside
-    DIR/index/index.json -> DIR/index/shard-<generation>-<n>.faiss  (see sinks.index_shards)
+    DIR/index/index.json -> DIR/index/shard-<generation>-<n>.faiss  (see sinks.index.shards)
 
 A segment covers every offset from its first to its last of one partition: its
 rows are the good records in that range; the bad ones went to the dead-letter
@@ -37,10 +37,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Union
-
-if TYPE_CHECKING:
-    from sinks.objectstore import ObjectStore
+from typing import Protocol
 
 VECTORS_DIR = "vectors"
 INDEX_DIR = "index"
@@ -55,8 +52,24 @@ _NAME = re.compile(
 )
 
 TopicPartitionKey = tuple[str, int]
+
+
+class Listed(Protocol):
+    key: str
+
+
+class Bucket(Protocol):
+    """What the layout needs of an object-store output: sinks.objectstore.ObjectStore
+    is the one implementation (the storage layer, above this one)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def list(self, prefix: str = "", *, page_size: int = 1000) -> Iterator[Listed]: ...
+
+
 # Where outputs live: a directory, or a bucket prefix on an object store.
-Output = Union[Path, "ObjectStore"]
+Output = Path | Bucket
 
 
 def is_local(output: Output) -> bool:
@@ -96,12 +109,10 @@ class SegmentFile:
     key: SegmentKey
     path: Path | PurePosixPath
     named_last: int | None = None
-    store: ObjectStore | None = field(default=None, compare=False, repr=False)
+    store: Bucket | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def parse(
-        cls, path: Path | PurePosixPath, store: ObjectStore | None = None
-    ) -> SegmentFile | None:
+    def parse(cls, path: Path | PurePosixPath, store: Bucket | None = None) -> SegmentFile | None:
         match = _NAME.match(path.name)
         if match is None:
             return None

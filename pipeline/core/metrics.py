@@ -101,7 +101,7 @@ class WorkerMetrics:
         self.index_vectors = Gauge(
             "pipeline_index_vectors", "Vectors in the FAISS index after the last sync", registry=r
         )
-        # The embedding cache by content (pipeline.cache).
+        # The embedding cache by content (pipeline.model.cache).
         self.cache_hits = Counter(
             "pipeline_cache_hits",
             "Records whose vector was not computed, by where it came from "

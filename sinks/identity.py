@@ -38,8 +38,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.errors import OutputError
-from pipeline.model.spec import ModelInfo
+from pipeline.core.errors import OutputError
+from pipeline.core.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def recorded_model(output: Any) -> dict[str, str] | None:
 
     The one place that reads it: one footer, through sinks.segments.read_schema
     (a local file, or one ranged GET on an object store)."""
-    from sinks.layout import iter_segments
+    from pipeline.core.layout import iter_segments
     from sinks.segments import DamagedSegment, read_schema
 
     segments = list(iter_segments(output))
@@ -113,7 +113,7 @@ def check_output_model(output: Any, model: ModelInfo, where: str | None = None) 
     """Refuses (OutputError) to add `model`'s vectors to an output made by another.
 
     `where` names the output in the message (default: the directory or s3:// URL)."""
-    from sinks.layout import describe
+    from pipeline.core.layout import describe
 
     recorded = recorded_model(output)
     if recorded is None:
