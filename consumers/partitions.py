@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import kafka.errors as kerrors
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 
 from pipeline.core.config import KafkaSettings
@@ -440,3 +441,31 @@ class Reader:
         if actual - wanted:
             self.consumer.resume(*(actual - wanted))
         return len(wanted)
+
+
+def caught_up_with(
+    consumer: KafkaConsumer, empty_full_poll: bool, only: set[TopicPartition] | None = None
+) -> bool:
+    """Whether every partition read here (`only`: those) has nothing more to fetch
+    right now: a full-length poll came back empty, or each partition's position has
+    reached its high watermark (known once a fetch for it returned). Paused
+    partitions may hold more, so nothing is caught up while any is."""
+    if consumer.paused() if only is None else consumer.paused() & only:
+        return False  # with `only` (one tier's partitions), those alone count
+    if empty_full_poll:
+        return True
+    assignment = consumer.assignment() if only is None else only
+    if not assignment:
+        return False
+    for tp in assignment:
+        highwater = consumer.highwater(tp)
+        if highwater is None:
+            return False
+        try:
+            # Known positions are answered locally; an unknown one is not waited for.
+            position = consumer.position(tp, timeout_ms=0)
+        except kerrors.KafkaError:
+            return False
+        if position is None or position < highwater:
+            return False
+    return True

@@ -22,10 +22,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 
 from pipeline.core.config import KafkaSettings, WorkerConfig
+from pipeline.core.errors import OutputError, PipelineError
 from pipeline.core.host import call_on_fresh_thread
 from pipeline.core.layout import (
     SegmentFile,
@@ -260,3 +263,52 @@ def decode_failure(kafka: KafkaSettings, tp: TopicPartition, position: int) -> E
     except Exception:  # the probe is a diagnosis: anything else says nothing
         return None
     return None
+
+
+def undecodable_at(consumer: Any, kafka: KafkaSettings, exc: Exception) -> PipelineError:
+    """The one line a worker stops with at a record batch that cannot be decoded,
+    naming its partition and offset where a probe finds it."""
+    where = "an assigned partition"
+    for tp in sorted(consumer.assignment()):
+        try:
+            position = consumer.position(tp, timeout_ms=0)
+        except kerrors.KafkaError:
+            continue
+        found = None if position is None else decode_failure(kafka, tp, position)
+        if found is not None:
+            # The probe's own error: with several undecodable partitions the one
+            # poll() raised may belong to another.
+            where, exc = f"{tp.topic}[{tp.partition}] at offset {position}", found
+            break
+    return record_batches.undecodable(where, exc)
+
+
+def after_retention(
+    config: WorkerConfig, offsets: dict[TopicPartition, int]
+) -> dict[tuple[str, int], int]:
+    """Where partitions whose positions Kafka no longer has start again: their earliest
+    retained offset (the deleted ones are logged; `pipeline audit` lists them). A
+    position past a partition's end means the topic was re-created: refused."""
+    tps = list(offsets)
+    with cluster.offsets_consumer(config.kafka) as probe:
+        beginnings = cluster.beginning_offsets(probe, config.kafka, tps)
+        ends = cluster.end_offsets(probe, config.kafka, tps)
+    restarts = {}
+    for tp, offset in offsets.items():
+        if offset >= ends[tp]:
+            raise OutputError(
+                f"{tp.topic}[{tp.partition}]: the outputs in {config.output} run to "
+                f"offset {offset - 1} but the partition ends at {ends[tp]}: was the topic "
+                "deleted and re-created? Embed it into a new --output with a new --group"
+            )
+        log.error(
+            "%s[%d]: offsets %d..%d were deleted by retention before they were embedded; "
+            "continuing at %d (pipeline audit lists them)",
+            tp.topic,
+            tp.partition,
+            offset,
+            beginnings[tp] - 1,
+            beginnings[tp],
+        )
+        restarts[(tp.topic, tp.partition)] = beginnings[tp]
+    return restarts

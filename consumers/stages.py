@@ -26,9 +26,10 @@ import numpy as np
 from consumers.batcher import MicroBatch, TopicPartitionKey
 from consumers.committer import PublishedBatch
 from consumers.partitions import Ownership
+from pipeline.core.config import WorkerConfig
 from pipeline.core.errors import PipelineError
 from pipeline.core.host import release_free_memory
-from pipeline.core.layout import SegmentKey
+from pipeline.core.layout import SegmentKey, is_local
 from pipeline.core.metrics import WorkerMetrics
 from pipeline.core.records import BadRecord, GoodRecord
 from pipeline.kafka.dead_letter import DeadLetterSink
@@ -344,3 +345,47 @@ class CompactStage(Stage):
                 report.rows,
                 report.seconds,
             )
+
+
+def start_stages(
+    config: WorkerConfig,
+    embedder: Embedder,
+    cache: EmbeddingCache | None,
+    parquet: ParquetSink,
+    dead_letter: DeadLetterSink,
+    index: IndexStore,
+    ownership: Ownership,
+    metrics: WorkerMetrics,
+    queues: tuple[queue.Queue, queue.Queue, queue.Queue],
+    stop: threading.Event,
+    alive: Callable[[], bool],
+) -> list[Stage]:
+    """The embed and write stages (and compaction's, on a local output), started;
+    `queues`: the embed stage's inbox, the write stage's, and the published batches."""
+    embed_q, write_q, done_q = queues
+    embed = EmbedStage(embed_q, write_q, stop, embedder, metrics, cache)
+    write = WriteStage(
+        write_q, done_q, stop, parquet, dead_letter, index, ownership, metrics,
+        config.index_sync_interval_s, alive=alive,
+    )  # fmt: skip
+    stages: list[Stage] = [embed, write]
+    if config.compact_interval_s > 0 and not is_local(config.output):
+        log.info("compaction: off, as the output is on an object store (not supported yet)")
+    elif config.compact_interval_s > 0:
+        interval, target = config.compact_interval_s, config.compact_target_mb << 20
+        stages.append(CompactStage(config.output, stop, interval, target))
+    for stage in stages:
+        stage.start()
+    return stages
+
+
+def check_stages(stages: list[Stage], stopping: threading.Event) -> None:
+    """Raises the first stage's failure as the poll loop's (one line where expected)."""
+    for stage in stages:
+        if stage.error is not None:
+            error = stage.error
+            if isinstance(error, PipelineError):
+                raise error
+            raise PipelineError(f"the {stage.name} stage failed: {error!r}") from error
+        if not stage.is_alive() and not stopping.is_set():
+            raise PipelineError(f"the {stage.name} stage stopped unexpectedly")

@@ -217,27 +217,6 @@ def fetch_lag(consumer: KafkaConsumer, partitions: Iterable[TopicPartition]) -> 
     return lag
 
 
-def unpark_resumed(consumer: KafkaConsumer) -> bool:
-    """Works around kafka-python 3.0's port of KAFKA-7548; True when it acted.
-
-    Records fetched for a partition that is then paused are parked, and given
-    back once it resumes, but only when the fetcher's in-line slot is empty
-    (None). A drained slot is never emptied, and a partition with parked records
-    is not fetched either: pausing one tier and not the other (the whole point
-    here) could leave a resumed backfill partition unread for good. Emptying a
-    drained slot is what the fetcher does itself when it parks the slot's
-    partition. Without these internals (another client version) it does nothing.
-    """
-    fetcher = getattr(consumer, "_fetcher", None)
-    if not getattr(fetcher, "_paused_partition_records", None):
-        return False
-    slot = getattr(fetcher, "_next_partition_records", None)
-    if slot is None or slot:  # empty already, or records still to hand out
-        return False
-    fetcher._next_partition_records = None  # type: ignore[union-attr]
-    return True
-
-
 class TierQueue(queue.Queue):
     """The embed stage's inbox: nearline batches first, each tier FIFO.
 

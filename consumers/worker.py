@@ -30,40 +30,29 @@ from typing import Any, TypeVar
 
 import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
-from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 
-from consumers import repair
-from consumers.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
+from consumers import repair, startup
+from consumers.batcher import CloseReason, MicroBatch
+from consumers.bulk import BulkEnd
 from consumers.committer import OffsetCommitter, PublishedBatch
-from consumers.partitions import Applied, Listener, Ownership, Reader
-from consumers.stages import CompactStage, EmbedStage, Stage, WriteStage
-from consumers.tiers import (
-    BACKFILL,
-    NEARLINE,
-    TieredBatcher,
-    TierQueue,
-    Tiers,
-    batch_is_backfill,
-    fetch_lag,
-    unpark_resumed,
-)
+from consumers.flow import flow_control
+from consumers.partitions import Applied, Ownership, Reader, caught_up_with
+from consumers.stages import Stage, check_stages, start_stages
+from consumers.summary import RunSummary, account, update_lag
 from consumers.tokenize_process import TokenizerPool
 from pipeline.core.config import WorkerConfig
-from pipeline.core.errors import BrokerUnavailable, OutputError, PipelineError
-from pipeline.core.host import freeze_start_up_objects, process_age_s, usable_cpus
-from pipeline.core.layout import is_local, segments_by_partition
+from pipeline.core.errors import BrokerUnavailable, PipelineError
+from pipeline.core.host import freeze_start_up_objects, process_age_s
 from pipeline.core.metrics import WorkerMetrics
-from pipeline.core.progress import Progress
 from pipeline.core.records import BadRecord, GoodRecord, RecordParser, Source
-from pipeline.kafka import cluster, record_batches
+from pipeline.kafka import cluster, internals, record_batches
 from pipeline.kafka.dead_letter import DeadLetterSink
 from pipeline.model.cache import EmbeddingCache, open_cache
-from pipeline.model.embedder import Embedder, TokenIds, tokenizer_choice
+from pipeline.model.embedder import Embedder, TokenIds
 from sinks.identity import check_output_model
 from sinks.index import shards as index_shards
 from sinks.index.store import IndexStore
 from sinks.parquet import ParquetSink
-from sinks.segments import pending_notes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,41 +72,6 @@ TOKENIZER_PROCESS_MIN_TEXTS = 256
 
 
 # Decoding problems no retry mends: name the partition and offset, and stop.
-class RunSummary:
-    """What a run did. The rate counts from the first record polled to the last
-    commit: processing throughput, without start-up (model load, group join)."""
-
-    def __init__(self) -> None:
-        self.records = 0
-        self.rows = 0
-        self.dead_lettered = 0
-        self.batches = 0
-        self.started = time.monotonic()
-        self.first_record_at: float | None = None
-        self.last_commit_at: float | None = None
-        self.cache: str | None = None  # the embedding cache's figures, when it is on
-
-    @property
-    def seconds(self) -> float:
-        return time.monotonic() - self.started
-
-    @property
-    def processing_seconds(self) -> float:
-        if self.first_record_at is None or self.last_commit_at is None:
-            return 0.0
-        return self.last_commit_at - self.first_record_at
-
-    def __str__(self) -> str:
-        busy = self.processing_seconds
-        rate = self.records / busy if busy > 0 else 0.0
-        return (
-            f"{self.records} records ({self.rows} embedded, {self.dead_lettered} dead-lettered) "
-            f"in {self.batches} batches, {busy:.1f}s, {rate:,.0f} records/s "
-            f"(first record to last commit; {self.seconds:.1f}s in all)"
-            + (f"; cache: {self.cache}" if self.cache else "")
-        )
-
-
 class Worker:
     def __init__(
         self,
@@ -137,34 +91,19 @@ class Worker:
         self.ownership = Ownership()
         self.in_flight = self.ownership.in_flight
         self.parser = RecordParser(config.text_field, config.id_field, config.max_text_bytes)
-        self.batcher: Batcher | TieredBatcher = Batcher(
-            config.batch_size,
-            config.max_batch_tokens,
-            config.poll_timeout_ms / 1000,
-            max_bytes=config.max_batch_bytes,
-        )
+        # How records are batched, partitions paused and batches ordered (consumers.flow).
+        self.flow = flow_control(config)
+        self.batcher = self.flow.batcher
+        # The embed queue's bound is what bounds the batches between poll and commit.
+        self._embed_q: queue.Queue[MicroBatch] = self.flow.embed_queue
         # The worker only adds to the index; `pipeline search` chooses the GPU.
         self.index = IndexStore(config.output)
         self.dead_letter = DeadLetterSink(
             config.kafka, config.dead_letter_topic, timeout_s=config.broker_timeout_s
         )
         self._stop_stages = threading.Event()
-        self._embed_q: queue.Queue[MicroBatch] = queue.Queue(maxsize=config.max_in_flight + 1)
         self._write_q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._done_q: queue.Queue[PublishedBatch] = queue.Queue()
-        # Priority tiers (consumers.tiers): nearline topics first, backfill topics after.
-        self._tiers: Tiers | None = None
-        self._poll_records: int | None = None  # a poll's record cap while backfill is read
-        if config.backfill_topics:
-            self._tiers = Tiers(
-                config.backfill_topics, config.backfill_batch_ms / 1000, config.batch_size
-            )
-            self.batcher = TieredBatcher.around(self._tiers, self.batcher)
-            # Nearline batches go first; each tier has --max-in-flight (see _tier_pauses).
-            inbox = TierQueue(2 * config.max_in_flight + 1, batch_is_backfill(self._tiers))
-            self._embed_q = inbox
-            # A nearline batch closes only once the one before it is being embedded.
-            self.batcher.hold_nearline = inbox.nearline_waiting
         self._consumer: KafkaConsumer | None = None
         self._reader: Reader | None = None
         self._tokenizer: TokenizerPool | None = None
@@ -173,10 +112,8 @@ class Worker:
         self._pending: list[Source] | None = None
         self._committer: OffsetCommitter | None = None
         self._stages: list[Stage] = []
-        self._end_targets: dict[TopicPartition, int] = {}
-        self._progress: Progress | None = None
+        self._bulk: BulkEnd | None = None
         self._last_lag_update = 0.0
-        self._end_checks_failing_since: float | None = None
         self._admin: Any = None
         self.cache: EmbeddingCache | None = None  # opened with the model (pipeline.model.cache)
         # The revoke wait runs on kafka-python's IO thread and holds up heartbeats:
@@ -204,7 +141,12 @@ class Worker:
             raise PipelineError(f"Kafka refused the worker: {exc}") from exc
 
     def _run(self) -> RunSummary:
-        committed = self._preflight()
+        checked = startup.preflight(self.config, self._admin)
+        if self.config.until_end:
+            self._bulk = BulkEnd(
+                self.config, checked.end_targets, checked.progress, self._check_cluster_health
+            )
+        committed = checked.committed
         self._attach_model()
         removed = self.parquet.prepare()
         if removed:
@@ -213,7 +155,7 @@ class Worker:
         caught_up = self.index.sync()
         if caught_up:
             log.info("index caught up with %d vectors from existing Parquet files", caught_up)
-        self._consumer = self._make_consumer()
+        self._consumer = startup.make_consumer(self.config, self.ownership, self._revoke_timeout_s)
         self._reader = Reader(
             self._consumer,
             self.ownership,
@@ -224,10 +166,23 @@ class Worker:
         self._committer = OffsetCommitter(
             self._consumer,
             self.ownership,
-            metadata=None if self._tiers is None else self._tiers.commit_metadata,
+            metadata=self.flow.commit_metadata,
             retry_s=_COMMIT_RETRY_S,
         )
-        self._start_stages()
+        self._stages = start_stages(
+            self.config,
+            self.embedder,
+            self.cache,
+            self.parquet,
+            self.dead_letter,
+            self.index,
+            self.ownership,
+            self.metrics,
+            (self._embed_q, self._write_q, self._done_q),
+            self._stop_stages,
+            alive=lambda: internals.heard_by_group(self._consumer),
+        )
+        self.flow.attach(self._stages[0])
         try:
             self._loop()
             self._drain(self.config.shutdown_timeout_s)
@@ -248,27 +203,8 @@ class Worker:
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
         index_shards.preload(self.embedder.info.dim)
         self.parquet.preload()
-        self._start_tokenizer_process()
+        self._tokenizer = startup.tokenizer_pool(self.config, self.embedder, self.parser)
         freeze_start_up_objects()
-
-    def _start_tokenizer_process(self) -> None:
-        choice = self.config.tokenizer_process
-        if choice == "off" or (choice == "auto" and usable_cpus() < 2):
-            return
-        # As many as the plan has tokenizer threads beside a GPU; on the CPU one,
-        # as the model takes the other cores.
-        count = self.config.tokenizer_processes or (
-            self.embedder.tokenizer_threads if self.embedder.info.device == "cuda" else 1
-        )
-        # Not waited for here: they get ready while the group is joined.
-        self._tokenizer = TokenizerPool(
-            count,
-            self.embedder.tokenizer_json(),
-            self.embedder.info.max_length,
-            self.parser,
-            self.embedder.info.document_prompt or "",
-            fast_path=tokenizer_choice() == "auto",
-        )
 
     def _tokenizer_takes(self, records: int) -> bool:
         """Whether the tokenizer process takes this poll's records: a full poll, or 256
@@ -282,54 +218,6 @@ class Worker:
         self._tokenizer = None  # refused
         return False
 
-    def _preflight(self) -> dict[TopicPartition, int]:
-        """Checks the cluster and the output before the group is joined; returns the commits."""
-        cfg = self.config
-        partitions = cluster.partitions_of(self._admin, cfg.kafka, cfg.topics)
-        cluster.ensure_topic(self._admin, cfg.kafka, cfg.dead_letter_topic)
-        with cluster.offsets_consumer(cfg.kafka) as reader:
-            beginnings = cluster.beginning_offsets(reader, cfg.kafka, partitions)
-            if cfg.until_end:
-                self._end_targets = cluster.end_offsets(reader, cfg.kafka, partitions)
-        committed = cluster.group_offsets(self._admin, cfg.kafka, cfg.group)
-        if not cfg.from_committed:
-            self._check_fresh_output(partitions, committed, beginnings)
-        if cfg.until_end:
-            remaining = self._group_remaining(committed)
-            log.info(
-                "bulk mode: %d records to the end of %d partition(s)", remaining, len(partitions)
-            )
-            self._progress = Progress("embedding", remaining, enabled=cfg.progress)
-        return committed
-
-    def _check_fresh_output(
-        self,
-        partitions: list[TopicPartition],
-        committed: dict[TopicPartition, int],
-        beginnings: dict[TopicPartition, int],
-    ) -> None:
-        """Refuses a group that consumed partitions of which the output holds nothing."""
-        cfg = self.config
-        written = set(segments_by_partition(cfg.output, cfg.topics))
-        written |= {(n.topic, n.partition) for n in pending_notes(cfg.output)}
-        skipped = [
-            f"{tp.topic}[{tp.partition}]@{committed[tp]}"
-            for tp in partitions
-            if committed.get(tp, 0) > beginnings.get(tp, 0)
-            and (tp.topic, tp.partition) not in written
-        ]
-        if skipped:
-            raise OutputError(
-                f"group {cfg.group} has committed offsets ({', '.join(skipped)}) but "
-                f"{cfg.output} holds no output for those partitions, so starting there would "
-                "leave out every record before them. Give a new --group to embed the topics "
-                "from the beginning, point --output at the group's existing output, or pass "
-                "--from-committed to start this output at the group's offsets."
-            )
-
-    def _group_remaining(self, committed: dict[TopicPartition, int]) -> int:
-        return sum(max(0, end - committed.get(tp, 0)) for tp, end in self._end_targets.items())
-
     def _repair(self, committed: dict[TopicPartition, int]) -> None:
         report = repair.repair_outputs(
             self.config,
@@ -341,88 +229,12 @@ class Worker:
         self.metrics.quarantined.inc(report.quarantined)
         self.metrics.repaired.inc(report.repaired)
 
-    def _make_consumer(self) -> KafkaConsumer:
-        cfg = self.config
-        consumer = cluster.build_client(
-            KafkaConsumer,
-            cfg.kafka,
-            group_id=cfg.group,
-            enable_auto_commit=False,
-            # Every assigned partition is sought explicitly (consumers.partitions);
-            # an offset that retention removed is handled, never silently reset.
-            auto_offset_reset="none",
-            isolation_level="read_committed",
-            # Moving a partition revokes only that partition: the others keep
-            # their in-flight work through a member joining or leaving.
-            partition_assignment_strategy=[CooperativeStickyAssignor],
-            max_poll_records=cfg.batch_size,
-            max_poll_interval_ms=cfg.max_poll_interval_ms,
-            session_timeout_ms=cfg.session_timeout_ms,
-            heartbeat_interval_ms=max(100, min(3000, cfg.session_timeout_ms // 3)),
-            # Bounds the fetch buffers: part of the worker's memory ceiling.
-            fetch_max_bytes=16 * 1024 * 1024,
-            max_partition_fetch_bytes=2 * 1024 * 1024,
-            **cluster.client_kwargs(cfg.kafka),
-        )
-        record_batches.install(consumer)
-        consumer.subscribe(
-            list(cfg.topics), listener=Listener(self.ownership, self._revoke_timeout_s)
-        )
-        # A metadata refresh before the first poll: kafka-python snapshots the
-        # subscribed topics' partitions on metadata updates, and a first join with
-        # an empty snapshot is followed by a needless second rebalance.
-        cluster.retrying(consumer.topics, "reading topic metadata", cfg.kafka)
-        return consumer
-
-    def _start_stages(self) -> None:
-        embed = EmbedStage(
-            self._embed_q, self._write_q, self._stop_stages, self.embedder, self.metrics, self.cache
-        )
-        write = WriteStage(
-            self._write_q,
-            self._done_q,
-            self._stop_stages,
-            self.parquet,
-            self.dead_letter,
-            self.index,
-            self.ownership,
-            self.metrics,
-            self.config.index_sync_interval_s,
-            alive=self._heard_by_group,
-        )
-        self._stages = [embed, write]
-        if self._tiers is not None:
-            embed.on_embedded = self._tiers.embedded  # sizes backfill batches
-        if self.config.compact_interval_s > 0 and not is_local(self.config.output):
-            log.info("compaction: off, as the output is on an object store (not supported yet)")
-        elif self.config.compact_interval_s > 0:
-            self._stages.append(
-                CompactStage(
-                    self.config.output,
-                    self._stop_stages,
-                    self.config.compact_interval_s,
-                    self.config.compact_target_mb << 20,
-                )
-            )
-        for stage in self._stages:
-            stage.start()
-
-    def _heard_by_group(self) -> bool:
-        """False once no heartbeat got through for a whole session timeout.
-
-        Reads kafka-python's heartbeat bookkeeping; without it (another client
-        version), publishing relies on ownership and the create-if-absent alone.
-        """
-        heartbeat = getattr(getattr(self._consumer, "_coordinator", None), "heartbeat", None)
-        expired = getattr(heartbeat, "session_timeout_expired", None)
-        return expired is None or not expired()
-
     # -- the poll loop -------------------------------------------------------------
 
     def _loop(self) -> None:
         last_end_check = 0.0
         while not self.shutdown.is_set():
-            self._check_stages()
+            check_stages(self._stages, self._stop_stages)
             self._collect_published()
             blocked = self._make_room()
             # With a poll's ids still to come, the next poll only takes what is there;
@@ -453,19 +265,21 @@ class Worker:
         log.info("shutdown requested: finishing the batches in flight")
 
     def _close_caught_up(self, empty_poll: bool, timeout: int) -> None:
-        if self._tiers is not None:
-            self._close_caught_up_tiers(empty_poll, timeout)
-        elif self.batcher.is_open and self._caught_up(empty_poll, timeout):
-            # The open batch holds all there is to read for now: waiting for
-            # it to fill would only add latency.
-            batch = self.batcher.flush(CloseReason.CAUGHT_UP)
-            assert batch is not None
+        assert self._consumer is not None
+
+        def caught_up(only: set[TopicPartition] | None) -> bool:
+            # A short empty poll (one taken while a tokenized poll was due) proves
+            # nothing by itself: the positions say it.
+            full_poll = empty_poll and timeout >= _POLL_TICK_MS
+            return caught_up_with(self._consumer, full_poll, only)
+
+        for batch in self.flow.caught_up_batches(self._consumer.assignment(), caught_up):
             self._hand_off(batch)
 
     def _poll(self, timeout_ms: int) -> dict[Any, list[Any]]:
         assert self._consumer is not None
         try:
-            polled = self._consumer.poll(timeout_ms=timeout_ms, max_records=self._poll_records)
+            polled = self._consumer.poll(timeout_ms=timeout_ms, max_records=self.flow.poll_records)
             failure = None
         except kerrors.KafkaError as exc:
             polled, failure = {}, exc
@@ -480,44 +294,12 @@ class Worker:
             self._out_of_range(failure.args[0] if failure.args else {})
             return {}
         if isinstance(failure, record_batches.UNDECODABLE):
-            raise self._undecodable(failure) from failure
+            raise repair.undecodable_at(self._consumer, self.config.kafka, failure) from failure
         if cluster.is_retriable(failure):
             log.debug("poll: %s (retrying)", failure)
             return {}
         topics = ", ".join(self.config.topics)
         raise PipelineError(f"consuming {topics} failed: {failure}") from failure
-
-    def _caught_up(
-        self, empty_poll: bool, timeout: int, only: set[TopicPartition] | None = None
-    ) -> bool:
-        """Whether every partition read here has nothing more to fetch right now.
-
-        Either a full-length poll came back empty, or each partition's position
-        has reached its high watermark (known once a fetch for it returned).
-        Paused partitions may hold more, so nothing is caught up while any is.
-        """
-        assert self._consumer is not None
-        if self._consumer.paused() if only is None else self._consumer.paused() & only:
-            return False  # with `only` (one tier's partitions), those alone count
-        if empty_poll and timeout >= _POLL_TICK_MS:
-            return True
-        # A shorter empty poll (one taken while a tokenized poll was due) proves
-        # nothing by itself: the positions say it.
-        assignment = self._consumer.assignment() if only is None else only
-        if not assignment:
-            return False
-        for tp in assignment:
-            highwater = self._consumer.highwater(tp)
-            if highwater is None:
-                return False
-            try:
-                # Known positions are answered locally; an unknown one is not waited for.
-                position = self._consumer.position(tp, timeout_ms=0)
-            except kerrors.KafkaError:
-                return False
-            if position is None or position < highwater:
-                return False
-        return True
 
     def _poll_timeout_ms(self) -> int:
         tick = _POLL_TICK_MS
@@ -535,10 +317,7 @@ class Worker:
             sources += self._reader.accept_run((tp.topic, tp.partition), records)
         if not sources:
             return
-        if self._tiers is not None:
-            backfill = sum(1 for s in sources if s.topic in self._tiers.backfill_topics)
-            self.metrics.tier_records.labels(BACKFILL).inc(backfill)
-            self.metrics.tier_records.labels(NEARLINE).inc(len(sources) - backfill)
+        self.flow.count_polled(sources, self.metrics)
         assert self._pending is None, "the previous poll's records come first"
         if self._tokenizer_takes(len(sources)):
             assert self._tokenizer is not None
@@ -607,7 +386,7 @@ class Worker:
                 self._embed_q.put(batch, timeout=0.1)
                 return
             except queue.Full:
-                self._check_stages()
+                check_stages(self._stages, self._stop_stages)
 
     def _make_room(self) -> bool:
         """Flow control. While every owned partition is paused for the batches in
@@ -627,71 +406,15 @@ class Worker:
     def _flow_control(self) -> bool:
         """Pauses and resumes partitions; returns whether every owned one is paused."""
         assert self._reader is not None and self._consumer is not None
-        if self._tiers is not None:
-            paused = self._tier_pauses()
-        else:
-            paused = self._reader.set_paused(len(self.in_flight) >= self.config.max_in_flight)
+        paused = self.flow.pause(self._consumer, self._reader, self.in_flight, self.metrics)
         self.metrics.paused.set(paused)
         return paused > 0 and paused == len(self._consumer.assignment())
-
-    def _tier_pauses(self) -> int:
-        """With --backfill-topic: backfill waits while nearline has lag (with
-        hysteresis, consumers.tiers); each tier pauses at --max-in-flight batches of
-        its own out (a trickle's small nearline batches must not take the backfill's
-        slots). Reconciled with the consumer's own paused set before every poll, so
-        the pauses hold on whatever a rebalance assigned."""
-        assert self._consumer is not None and self._reader is not None
-        assert self._tiers is not None and isinstance(self.batcher, TieredBatcher)
-        nearline, backfill = self._tiers.split(self._consumer.assignment())
-        lag = fetch_lag(self._consumer, nearline)
-        pauses_before = self._tiers.pauses
-        waiting = self._tiers.observe(lag)
-        backfill_out = self.in_flight.count(self._tiers.holds_backfill)
-        nearline_out = len(self.in_flight) - backfill_out
-        wanted: set[TopicPartition] = set()
-        if waiting or backfill_out >= self.config.max_in_flight:
-            wanted |= backfill
-        if nearline_out >= self.config.max_in_flight:
-            wanted |= nearline
-        paused = self._reader.pause_only(wanted)
-        unpark_resumed(self._consumer)
-        # Backfill batches (and polls while backfill is read) hold about
-        # --backfill-batch-ms of embedding, unless no nearline partition is ours.
-        records = self._tiers.backfill_records() if nearline else self.config.batch_size
-        self.batcher.backfill.max_records = records
-        self._poll_records = records if backfill - wanted else None
-        m = self.metrics
-        m.nearline_lag.set(lag)
-        m.backfill_waiting.set(int(waiting))
-        m.backfill_pauses.inc(self._tiers.pauses - pauses_before)
-        m.backfill_batch_records.set(records)
-        actual = set(self._consumer.paused())  # what the consumer holds, not what we asked
-        for tier, owned in ((NEARLINE, nearline), (BACKFILL, backfill)):
-            m.tier_partitions.labels(tier, "paused").set(len(owned & actual))
-            m.tier_partitions.labels(tier, "reading").set(len(owned - actual))
-        return paused
-
-    def _close_caught_up_tiers(self, empty_poll: bool, timeout: int) -> None:
-        """Each tier's open batch closes once that tier's partitions are caught up."""
-        assert self._consumer is not None and self._tiers is not None
-        assert isinstance(self.batcher, TieredBatcher)
-        nearline, backfill = self._tiers.split(self._consumer.assignment())
-        for batcher, owned in (
-            (self.batcher.nearline, nearline),
-            (self.batcher.backfill, backfill),
-        ):
-            if batcher is self.batcher.nearline and self.batcher.hold_nearline():
-                continue  # the previous nearline batch still waits: this one grows
-            if batcher.is_open and self._caught_up(empty_poll, timeout, only=owned):
-                batch = batcher.flush(CloseReason.CAUGHT_UP)
-                assert batch is not None
-                self._hand_off(batch)
 
     def _collect_published(self, wait_s: float = 0.0) -> None:
         assert self._committer is not None
         for published in _take_all(self._done_q):
             self._committer.add(published)
-            self._account(published)
+            account(self.summary, self.metrics, published)
         acknowledged = self._committer.commit(time.monotonic(), wait_s)
         if acknowledged is not None:
             self.metrics.commit_seconds.observe(acknowledged.seconds)
@@ -727,39 +450,12 @@ class Worker:
                 "past the published outputs, so a restart resumes where they end"
             )
 
-    def _account(self, published: PublishedBatch) -> None:
-        records = published.rows + published.dead_lettered
-        self.summary.records += records
-        self.summary.rows += published.rows
-        self.summary.dead_lettered += published.dead_lettered
-        self.summary.batches += 1
-        self.metrics.records.labels("embedded").inc(published.rows)
-        self.metrics.records.labels("dead_lettered").inc(published.dead_lettered)
-        self.metrics.dead_letter.inc(published.dead_lettered)
-        self.metrics.batches.inc()
-
     def _update_lag_metrics(self) -> None:
-        """Lag per owned partition: high watermark (from fetches) minus committed offset."""
         now = time.monotonic()
-        if now - self._last_lag_update < _LAG_METRIC_INTERVAL_S:
-            return
-        self._last_lag_update = now
-        assert self._consumer is not None and self._committer is not None
-        for tp in self._consumer.assignment():
-            highwater = self._consumer.highwater(tp)
-            committed = self._committer.committed.get((tp.topic, tp.partition))
-            if highwater is not None and committed is not None:
-                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(highwater - committed)
-
-    def _check_stages(self) -> None:
-        for stage in self._stages:
-            if stage.error is not None:
-                error = stage.error
-                if isinstance(error, PipelineError):
-                    raise error
-                raise PipelineError(f"the {stage.name} stage failed: {error!r}") from error
-            if not stage.is_alive() and not self._stop_stages.is_set():
-                raise PipelineError(f"the {stage.name} stage stopped unexpectedly")
+        if now - self._last_lag_update >= _LAG_METRIC_INTERVAL_S:
+            assert self._consumer is not None and self._committer is not None
+            self._last_lag_update = now
+            update_lag(self.metrics, self._consumer, self._committer.committed)
 
     # -- rebalances and positions ---------------------------------------------------
 
@@ -787,90 +483,31 @@ class Worker:
         return applied.unchanged(polled)
 
     def _out_of_range(self, offsets: dict[TopicPartition, int]) -> None:
-        """A partition position that Kafka no longer (or not yet) has."""
-        assert self._consumer is not None and self._reader is not None
-        tps = list(offsets)
-        with cluster.offsets_consumer(self.config.kafka) as probe:
-            beginnings = cluster.beginning_offsets(probe, self.config.kafka, tps)
-            ends = cluster.end_offsets(probe, self.config.kafka, tps)
-        for tp, offset in offsets.items():
-            key: TopicPartitionKey = (tp.topic, tp.partition)
-            if offset >= ends[tp]:
-                raise OutputError(
-                    f"{tp.topic}[{tp.partition}]: the outputs in {self.config.output} run to "
-                    f"offset {offset - 1} but the partition ends at {ends[tp]}: was the topic "
-                    "deleted and re-created? Embed it into a new --output with a new --group"
-                )
-            log.error(
-                "%s[%d]: offsets %d..%d were deleted by retention before they were embedded; "
-                "continuing at %d (pipeline audit lists them)",
-                tp.topic,
-                tp.partition,
-                offset,
-                beginnings[tp] - 1,
-                beginnings[tp],
-            )
+        """Partitions whose position Kafka no longer has: restarted at their earliest
+        retained offset (consumers.repair.after_retention says why, or refuses)."""
+        assert self._reader is not None
+        restarts = repair.after_retention(self.config, offsets)
+        if restarts:
             # The open batch must not stretch its range over the deleted offsets.
             batch = self.batcher.flush(CloseReason.SHUTDOWN)
             while batch is not None:  # with tiers, one open batch per tier
                 self._hand_off(batch)
                 batch = self.batcher.flush(CloseReason.SHUTDOWN)
-            self._reader.restart_at(key, beginnings[tp])
-            self.batcher.start(key, beginnings[tp])
-
-    def _undecodable(self, exc: Exception) -> PipelineError:
-        """Names the partition and offset of a record batch that cannot be decoded."""
-        assert self._consumer is not None
-        where = "an assigned partition"
-        for tp in sorted(self._consumer.assignment()):
-            try:
-                position = self._consumer.position(tp, timeout_ms=0)
-            except kerrors.KafkaError:
-                continue
-            found = (
-                None if position is None else repair.decode_failure(self.config.kafka, tp, position)
-            )
-            if found is not None:
-                # The probe's own error: with several undecodable partitions the one
-                # poll() raised may belong to another.
-                where, exc = f"{tp.topic}[{tp.partition}] at offset {position}", found
-                break
-        return record_batches.undecodable(where, exc)
+        for key, offset in restarts.items():
+            self._reader.restart_at(key, offset)
+            self.batcher.start(key, offset)
 
     # -- bulk mode -----------------------------------------------------------------
 
     def _reached_end(self) -> bool:
         assert self._committer is not None and self._reader is not None
+        assert self._bulk is not None
         if len(self.in_flight) or self.batcher.is_open or self._done_q.qsize():
             return False
         if self._committer.has_pending:
             return False
-        for key, state in self._reader.states.items():
-            target = self._end_targets.get(TopicPartition(*key))
-            if target is not None and state.next_offset < target:
-                return False  # the outputs may hold less than the commits say
-        committed = self._group_committed()
-        return committed is not None and self._group_remaining(committed) == 0
-
-    def _group_committed(self) -> dict[TopicPartition, int] | None:
-        """The whole group's commits (any worker's), which also drive the progress bar."""
-        try:
-            committed = cluster.group_offsets(
-                self._admin, self.config.kafka, self.config.group, deadline_s=5.0
-            )
-        except BrokerUnavailable as exc:
-            if self._end_checks_failing_since is None:
-                self._end_checks_failing_since = time.monotonic()
-            log.warning("bulk mode: %s (retrying)", exc)
-            self._check_cluster_health(
-                self._end_checks_failing_since, "reading the group's offsets"
-            )
-            return None
-        self._end_checks_failing_since = None
-        if self._progress is not None and self._progress.total is not None:
-            # The bar's total is what remained at start.
-            self._progress.update(self._progress.total - self._group_remaining(committed))
-        return committed
+        next_offsets = {key: state.next_offset for key, state in self._reader.states.items()}
+        return self._bulk.reached(self._admin, next_offsets)
 
     # -- shutdown ------------------------------------------------------------------
 
@@ -884,7 +521,7 @@ class Worker:
         deadline = time.monotonic() + timeout_s
         assert self._consumer is not None and self._reader is not None
         while len(self.in_flight) or not self._done_q.empty():
-            self._check_stages()
+            check_stages(self._stages, self._stop_stages)
             if time.monotonic() > deadline:
                 log.warning(
                     "shutdown: %d batch(es) still in flight after %.0fs; dropping them uncommitted",
@@ -924,8 +561,8 @@ class Worker:
         if self.cache is not None:
             self.cache.close()
             self.summary.cache = self.cache.stats.summary(self.cache.remote is not None)
-        if self._progress is not None:
-            self._progress.close()
+        if self._bulk is not None:
+            self._bulk.close()
         if not any(stage.error for stage in self._stages):
             # Every published file goes into the index before the worker exits.
             self.index.sync()

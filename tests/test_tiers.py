@@ -30,12 +30,12 @@ from consumers.tiers import (
     commit_metadata,
     fetch_lag,
     tier_from_metadata,
-    unpark_resumed,
 )
 from pipeline import cli
 from pipeline.core.config import KafkaSettings, WorkerConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.records import GoodRecord, SourceRecord
+from pipeline.kafka.internals import unpark_resumed
 from pipeline.status import LAGGING, MISMATCH, OK, STALLED, render_table
 from pipeline.status.tiers import apply_tiers
 from tests.test_partitions import FakeConsumer

@@ -18,8 +18,9 @@ CRC of each batch, aborted transactions and control batches (that logic is
 legacy v0/v1 message sets (left to kafka-python's loop). The CRC is the same C
 crc32c, called without giving up the GIL (`_crc_holds`). Because that copy and
 the decoder mirror kafka-python's private code, they are used only with the
-exact kafka-python code they were checked against (`_KNOWN_SOURCES`): any other
-kafka-python release falls back to its own decoder, with one log line.
+exact kafka-python code they were checked against (`_KNOWN_SOURCES`): pyproject
+pins that release and its tests fail on any other; a worker on another falls back
+to kafka-python's own decoder, with a warning.
 `PIPELINE_RECORD_DECODER=kafka-python` forces that fallback; `=batch` makes a
 kafka-python the decoder does not mirror an error instead.
 """
@@ -128,13 +129,16 @@ def install(consumer: kafka.KafkaConsumer) -> bool:
         )
     if not usable:
         _announce(
+            logging.WARNING,
             f"record decoding: kafka-python's own (kafka-python {kafka.__version__} is not "
             "the release the batch decoder mirrors, or deserializers are set; a header key "
-            "that is not UTF-8 then stops the worker at its record)"
+            "that is not UTF-8 then stops the worker at its record)",
         )
         return False
     fetcher.PartitionRecords = BatchDecodedRecords
-    _announce(f"record decoding: a batch at a time (kafka-python {kafka.__version__})")
+    _announce(
+        logging.INFO, f"record decoding: a batch at a time (kafka-python {kafka.__version__})"
+    )
     return True
 
 
@@ -147,9 +151,9 @@ def undecodable(where: str, exc: Exception) -> PipelineError:
 
 
 @functools.cache
-def _announce(message: str) -> None:
+def _announce(level: int, message: str) -> None:
     """Logs the decoder once a process: audits and repairs install it on consumers of their own."""
-    log.info(message)
+    log.log(level, message)
 
 
 def _varint(buffer: bytes, pos: int) -> tuple[int, int]:
