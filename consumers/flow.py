@@ -46,13 +46,15 @@ class FlowControl:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.batcher: Batcher | TieredBatcher = Batcher(
-            config.batch_size,
-            config.max_batch_tokens,
-            config.poll_timeout_ms / 1000,
-            max_bytes=config.max_batch_bytes,
+            config.batching.batch_size,
+            config.batching.max_batch_tokens,
+            config.batching.poll_timeout_ms / 1000,
+            max_bytes=config.batching.max_batch_bytes,
         )
         # One batch more than may be in flight: the embed stage takes the next at once.
-        self.embed_queue: queue.Queue[MicroBatch] = queue.Queue(maxsize=config.max_in_flight + 1)
+        self.embed_queue: queue.Queue[MicroBatch] = queue.Queue(
+            maxsize=config.batching.max_in_flight + 1
+        )
         # A poll's record cap (None: the consumer's max_poll_records).
         self.poll_records: int | None = None
         # The committed offset's metadata of a partition (None: none).
@@ -68,7 +70,7 @@ class FlowControl:
         self, consumer: KafkaConsumer, reader: Reader, in_flight: InFlight, metrics: WorkerMetrics
     ) -> int:
         """Pauses and resumes partitions; returns how many are paused."""
-        return reader.set_paused(len(in_flight) >= self.config.max_in_flight)
+        return reader.set_paused(len(in_flight) >= self.config.batching.max_in_flight)
 
     def caught_up_batches(
         self, assignment: set[TopicPartition], caught_up: CaughtUp
@@ -87,11 +89,13 @@ class TieredFlowControl(FlowControl):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.tiers = Tiers(
-            config.backfill_topics, config.backfill_batch_ms / 1000, config.batch_size
+            config.input.backfill_topics,
+            config.batching.backfill_batch_ms / 1000,
+            config.batching.batch_size,
         )
         batcher = TieredBatcher.around(self.tiers, self.batcher)
         # Nearline batches go first; each tier has --max-in-flight (see pause).
-        inbox = TierQueue(2 * config.max_in_flight + 1, batch_is_backfill(self.tiers))
+        inbox = TierQueue(2 * config.batching.max_in_flight + 1, batch_is_backfill(self.tiers))
         # A nearline batch closes only once the one before it is being embedded.
         batcher.hold_nearline = inbox.nearline_waiting
         self.batcher, self.embed_queue = batcher, inbox
@@ -114,7 +118,7 @@ class TieredFlowControl(FlowControl):
         consumer's own paused set before every poll, so the pauses hold on whatever
         a rebalance assigned."""
         assert isinstance(self.batcher, TieredBatcher)
-        tiers, limit = self.tiers, self.config.max_in_flight
+        tiers, limit = self.tiers, self.config.batching.max_in_flight
         nearline, backfill = tiers.split(consumer.assignment())
         lag = fetch_lag(consumer, nearline)
         pauses_before = tiers.pauses
@@ -130,7 +134,7 @@ class TieredFlowControl(FlowControl):
         unpark_resumed(consumer)
         # Backfill batches (and polls while backfill is read) hold about
         # --backfill-batch-ms of embedding, unless no nearline partition is ours.
-        records = tiers.backfill_records() if nearline else self.config.batch_size
+        records = tiers.backfill_records() if nearline else self.config.batching.batch_size
         self.batcher.backfill.max_records = records
         self.poll_records = records if backfill - wanted else None
         metrics.nearline_lag.set(lag)
@@ -162,4 +166,4 @@ class TieredFlowControl(FlowControl):
 
 
 def flow_control(config: WorkerConfig) -> FlowControl:
-    return TieredFlowControl(config) if config.backfill_topics else FlowControl(config)
+    return TieredFlowControl(config) if config.input.backfill_topics else FlowControl(config)

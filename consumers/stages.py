@@ -366,13 +366,13 @@ def start_stages(
     embed = EmbedStage(embed_q, write_q, stop, embedder, metrics, cache)
     write = WriteStage(
         write_q, done_q, stop, parquet, dead_letter, index, ownership, metrics,
-        config.index_sync_interval_s, alive=alive,
+        config.storage.index_sync_interval_s, alive=alive,
     )  # fmt: skip
     stages: list[Stage] = [embed, write]
-    if config.compact_interval_s > 0 and not is_local(config.output):
+    if config.storage.compact_interval_s > 0 and not is_local(config.output):
         log.info("compaction: off, as the output is on an object store (not supported yet)")
-    elif config.compact_interval_s > 0:
-        interval, target = config.compact_interval_s, config.compact_target_mb << 20
+    elif config.storage.compact_interval_s > 0:
+        interval, target = config.storage.compact_interval_s, config.storage.compact_target_mb << 20
         stages.append(CompactStage(config.output, stop, interval, target))
     for stage in stages:
         stage.start()

@@ -48,13 +48,13 @@ def preflight(cfg: WorkerConfig, admin: Any) -> Preflight:
     end_targets: dict[TopicPartition, int] = {}
     with cluster.offsets_consumer(cfg.kafka) as reader:
         beginnings = cluster.beginning_offsets(reader, cfg.kafka, partitions)
-        if cfg.until_end:
+        if cfg.input.until_end:
             end_targets = cluster.end_offsets(reader, cfg.kafka, partitions)
     committed = cluster.group_offsets(admin, cfg.kafka, cfg.group)
-    if not cfg.from_committed:
+    if not cfg.input.from_committed:
         check_fresh_output(cfg, partitions, committed, beginnings)
     progress = None
-    if cfg.until_end:
+    if cfg.input.until_end:
         remaining = remaining_to(end_targets, committed)
         log.info("bulk mode: %d records to the end of %d partition(s)", remaining, len(partitions))
         progress = Progress("embedding", remaining, enabled=cfg.progress)
@@ -105,10 +105,10 @@ def make_consumer(
         # Moving a partition revokes only that partition: the others keep
         # their in-flight work through a member joining or leaving.
         partition_assignment_strategy=[CooperativeStickyAssignor],
-        max_poll_records=cfg.batch_size,
-        max_poll_interval_ms=cfg.max_poll_interval_ms,
-        session_timeout_ms=cfg.session_timeout_ms,
-        heartbeat_interval_ms=max(100, min(3000, cfg.session_timeout_ms // 3)),
+        max_poll_records=cfg.batching.batch_size,
+        max_poll_interval_ms=cfg.liveness.max_poll_interval_ms,
+        session_timeout_ms=cfg.liveness.session_timeout_ms,
+        heartbeat_interval_ms=max(100, min(3000, cfg.liveness.session_timeout_ms // 3)),
         # Bounds the fetch buffers: part of the worker's memory ceiling.
         fetch_max_bytes=16 * 1024 * 1024,
         max_partition_fetch_bytes=2 * 1024 * 1024,
@@ -129,12 +129,12 @@ def tokenizer_pool(
 ) -> TokenizerPool | None:
     """The tokenizer processes (consumers.tokenize_process), not waited for: they get
     ready while the group is joined. None where they are off."""
-    choice = cfg.tokenizer_process
+    choice = cfg.model.tokenizer_process
     if choice == "off" or (choice == "auto" and usable_cpus() < 2):
         return None
     # As many as the plan has tokenizer threads beside a GPU; on the CPU one, as the
     # model takes the other cores.
-    count = cfg.tokenizer_processes or (
+    count = cfg.model.tokenizer_processes or (
         embedder.tokenizer_threads if embedder.info.device == "cuda" else 1
     )
     return TokenizerPool(

@@ -90,7 +90,9 @@ class Worker:
         self.summary = RunSummary()
         self.ownership = Ownership()
         self.in_flight = self.ownership.in_flight
-        self.parser = RecordParser(config.text_field, config.id_field, config.max_text_bytes)
+        self.parser = RecordParser(
+            config.input.text_field, config.input.id_field, config.input.max_text_bytes
+        )
         # How records are batched, partitions paused and batches ordered (consumers.flow).
         self.flow = flow_control(config)
         self.batcher = self.flow.batcher
@@ -99,7 +101,7 @@ class Worker:
         # The worker only adds to the index; `pipeline search` chooses the GPU.
         self.index = IndexStore(config.output)
         self.dead_letter = DeadLetterSink(
-            config.kafka, config.dead_letter_topic, timeout_s=config.broker_timeout_s
+            config.kafka, config.dead_letter_topic, timeout_s=config.liveness.broker_timeout_s
         )
         self._stop_stages = threading.Event()
         self._write_q: queue.Queue[Any] = queue.Queue(maxsize=1)
@@ -120,9 +122,9 @@ class Worker:
         # with a heartbeat due every third of the session timeout, a wait of another
         # third keeps the session alive, and well inside the rebalance timeout.
         self._revoke_timeout_s = min(
-            config.revoke_timeout_s,
-            config.session_timeout_ms / 3000,
-            config.max_poll_interval_ms / 2000,
+            config.liveness.revoke_timeout_s,
+            config.liveness.session_timeout_ms / 3000,
+            config.liveness.max_poll_interval_ms / 2000,
         )
 
     # -- life cycle ----------------------------------------------------------------
@@ -142,7 +144,7 @@ class Worker:
 
     def _run(self) -> RunSummary:
         checked = startup.preflight(self.config, self._admin)
-        if self.config.until_end:
+        if self.config.input.until_end:
             self._bulk = BulkEnd(
                 self.config, checked.end_targets, checked.progress, self._check_cluster_health
             )
@@ -185,7 +187,7 @@ class Worker:
         self.flow.attach(self._stages[0])
         try:
             self._loop()
-            self._drain(self.config.shutdown_timeout_s)
+            self._drain(self.config.liveness.shutdown_timeout_s)
         except PipelineError:
             self._commit_published()
             raise
@@ -211,7 +213,7 @@ class Worker:
         records or more, once it is ready."""
         if self._tokenizer is None:
             return False
-        if records < min(TOKENIZER_PROCESS_MIN_TEXTS, self.config.batch_size):
+        if records < min(TOKENIZER_PROCESS_MIN_TEXTS, self.config.batching.batch_size):
             return False
         if self._tokenizer.ready():
             return True
@@ -257,7 +259,7 @@ class Worker:
             self._update_lag_metrics()
             idle = not len(self.in_flight) and not self.batcher.is_open and not self._pending
             check_every = _END_CHECK_IDLE_S if idle else _END_CHECK_INTERVAL_S
-            if self.config.until_end and time.monotonic() - last_end_check > check_every:
+            if self.config.input.until_end and time.monotonic() - last_end_check > check_every:
                 last_end_check = time.monotonic()
                 if self._reached_end():
                     log.info("bulk mode: the group's committed offsets reached the end")
@@ -443,9 +445,10 @@ class Worker:
     def _check_cluster_health(self, failing_since: float | None, what: str) -> None:
         if failing_since is None:
             return
-        if time.monotonic() - failing_since > self.config.broker_timeout_s:
+        timeout_s = self.config.liveness.broker_timeout_s
+        if time.monotonic() - failing_since > timeout_s:
             raise BrokerUnavailable(
-                f"{what} kept failing for {self.config.broker_timeout_s:.0f}s: the cluster at "
+                f"{what} kept failing for {timeout_s:.0f}s: the cluster at "
                 f"{self.config.kafka.bootstrap_servers} does not answer; nothing was committed "
                 "past the published outputs, so a restart resumes where they end"
             )

@@ -122,7 +122,7 @@ def test_cache_spec_and_config() -> None:
     with pytest.raises(ConfigError, match="--cache 'memcached://u:\\*\\*\\*@h'"):
         check_cache_spec("memcached://u:secret@h")  # the message hides the password
     base = {"topics": ("t",), "group": "g", "output": Path("/tmp/o")}
-    assert WorkerConfig(**base).cache == "lru"
+    assert WorkerConfig.of(**base).cache.spec == "lru"
     for bad, message in [
         ({"cache": "yes"}, "--cache"),
         ({"cache_size": "big"}, "cache-size"),
@@ -130,16 +130,16 @@ def test_cache_spec_and_config() -> None:
         ({"cache_ttl_s": -1.0}, "cache TTL"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            WorkerConfig(**base, **bad)
+            WorkerConfig.of(**base, **bad)
 
 
 def test_redis_passwords_are_redacted_in_the_logged_config() -> None:
-    config = WorkerConfig(
+    config = WorkerConfig.of(
         topics=("t",), group="g", output=Path("/o"), cache="redis://app:s3cr/et@cache-1:6379/2"
     )
     text = json.dumps(config.redacted())
     assert "s3cr" not in text
-    assert config.redacted()["cache"] == "redis://app:***@cache-1:6379/2"
+    assert config.redacted()["cache"]["spec"] == "redis://app:***@cache-1:6379/2"
     assert redact_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
     assert redact_url("redis://pw@h:1/0") == "redis://***@h:1/0"
     assert redact_url("rediss://h:1/0?password=pw&x=1") == "rediss://h:1/0?password=***&x=1"
@@ -156,7 +156,7 @@ def test_cli_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.startswith("PIPELINE_"):
             monkeypatch.delenv(name)
     configs: list[WorkerConfig] = []
-    monkeypatch.setattr(cli, "_run_worker", configs.append)
+    monkeypatch.setattr(cli.run, "run_worker", configs.append)
     run = ["run", "--topic", "t", "--group", "g", "--output", "/tmp/o"]
     flags = ["--cache", "redis://h:1/0", "--cache-size", "1000", "--cache-ttl-s", "3600"]
     result = CliRunner().invoke(cli.main, [*run, *flags, "--cache-timeout-ms", "50"])
@@ -167,14 +167,14 @@ def test_cli_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(cli.main, run)
     assert result.exit_code == 0, result.output
     first, second, third = configs
-    assert (first.cache, first.cache_size, first.cache_ttl_s, first.cache_timeout_ms) == (
+    assert (first.cache.spec, first.cache.size, first.cache.ttl_s, first.cache.timeout_ms) == (
         "redis://h:1/0",
         "1000",
         3600.0,
         50,
     )
-    assert (second.cache, second.cache_size) == ("off", "8MiB")
-    assert (third.cache, third.cache_size, third.cache_ttl_s) == ("lru", "32MiB", None)
+    assert (second.cache.spec, second.cache.size) == ("off", "8MiB")
+    assert (third.cache.spec, third.cache.size, third.cache.ttl_s) == ("lru", "32MiB", None)
     bad = CliRunner().invoke(cli.main, [*run, "--cache", "sometimes"])
     assert bad.exit_code == 64 and "--cache" in bad.output
 

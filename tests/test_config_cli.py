@@ -21,7 +21,7 @@ RUN = ["run", "--topic", "docs", "--group", "g1", "--output", "/tmp/out"]
 def worker(**overrides: Any) -> WorkerConfig:
     values: dict[str, Any] = {"topics": ("docs",), "group": "g", "output": Path("/tmp/o")}
     values.update(overrides)
-    return WorkerConfig(**values)
+    return WorkerConfig.of(**values)
 
 
 # ------------------------------------------------------------------ WorkerConfig
@@ -124,7 +124,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[WorkerConfig]:
         if name.startswith("PIPELINE_"):
             monkeypatch.delenv(name)
     configs: list[WorkerConfig] = []
-    monkeypatch.setattr(cli, "_run_worker", configs.append)
+    monkeypatch.setattr(cli.run, "run_worker", configs.append)
     return configs
 
 
@@ -145,7 +145,11 @@ def test_flags_build_the_worker_config(captured: list[WorkerConfig]) -> None:
     assert config.topics == ("docs",)
     assert config.group == "g1"
     assert config.output == Path("/tmp/out")
-    assert (config.batch_size, config.precision, config.device) == (64, "fp32", "cpu")
+    assert (config.batching.batch_size, config.model.precision, config.model.device) == (
+        64,
+        "fp32",
+        "cpu",
+    )
     assert config.dead_letter_topic == "docs.dlq"
     assert config.kafka.bootstrap_servers == "127.0.0.1:9092"
 
@@ -169,9 +173,50 @@ def test_file_sets_run_options_and_global_bootstrap(
     assert result.exit_code == 0, result.output
     (config,) = captured
     assert config.kafka.bootstrap_servers == "file-host:9092"
-    assert config.batch_size == 32
-    assert config.poll_timeout_ms == 250  # dashed keys work too
-    assert config.precision == "int8"
+    assert config.batching.batch_size == 32
+    assert config.batching.poll_timeout_ms == 250  # dashed keys work too
+    assert config.model.precision == "int8"
+
+
+def test_file_groups_run_options_as_the_config_groups_them(
+    captured: list[WorkerConfig], tmp_path: Path
+) -> None:
+    path = toml(
+        tmp_path,
+        '[run]\nmax-in-flight = 3\n'
+        '[run.batching]\nbatch-size = 64\npoll_timeout_ms = 100\n'
+        '[run.model]\nmodel = "/models/e5"\nprecision = "fp32"\ndimensions = 128\n'
+        '[run.cache]\ncache = "off"\n[run.liveness]\nsession-timeout-ms = 20000\n',
+    )
+    result = invoke(["--config", str(path), *RUN])
+    assert result.exit_code == 0, result.output
+    (config,) = captured
+    assert (config.batching.batch_size, config.batching.poll_timeout_ms) == (64, 100)
+    assert config.batching.max_in_flight == 3
+    assert (config.model.name, config.model.precision, config.model.dimensions) == (
+        "/models/e5",
+        "fp32",
+        128,
+    )
+    assert config.cache.spec == "off"
+    assert config.liveness.session_timeout_ms == 20000
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("[run.batches]\nbatch-size = 1\n", "[run.batches] is not one of input, batching"),
+        ("[run.model]\nbatch-size = 1\n", "'batch_size' is not an option of [run.model]"),
+        ("[run]\nbatch-size = 2\n[run.batching]\nbatch-size = 1\n", "given both in [run]"),
+    ],
+)
+def test_file_groups_refuse_what_is_not_theirs(
+    captured: list[WorkerConfig], tmp_path: Path, text: str, named: str
+) -> None:
+    result = invoke(["--config", str(toml(tmp_path, text)), *RUN])
+    assert result.exit_code == ConfigError.exit_code
+    assert named in result.output
+    assert captured == []
 
 
 def test_env_beats_file(captured: list[WorkerConfig], tmp_path: Path) -> None:
@@ -179,7 +224,7 @@ def test_env_beats_file(captured: list[WorkerConfig], tmp_path: Path) -> None:
     env = {"PIPELINE_BATCH_SIZE": "48", "PIPELINE_BOOTSTRAP_SERVERS": "env-host:2"}
     result = invoke(["--config", str(path), *RUN], env=env)
     assert result.exit_code == 0, result.output
-    assert captured[0].batch_size == 48
+    assert captured[0].batching.batch_size == 48
     assert captured[0].kafka.bootstrap_servers == "env-host:2"
 
 
@@ -189,7 +234,7 @@ def test_flag_beats_env_and_file(captured: list[WorkerConfig], tmp_path: Path) -
     args = ["--bootstrap-servers", "flag-host:3", "--config", str(path), *RUN, "--batch-size", "8"]
     result = invoke(args, env=env)
     assert result.exit_code == 0, result.output
-    assert captured[0].batch_size == 8
+    assert captured[0].batching.batch_size == 8
     assert captured[0].kafka.bootstrap_servers == "flag-host:3"
 
 
@@ -197,7 +242,7 @@ def test_config_file_from_environment(captured: list[WorkerConfig], tmp_path: Pa
     path = toml(tmp_path, "[run]\nmax_batch_tokens = 1000\n")
     result = invoke(RUN, env={"PIPELINE_CONFIG": str(path)})
     assert result.exit_code == 0, result.output
-    assert captured[0].max_batch_tokens == 1000
+    assert captured[0].batching.max_batch_tokens == 1000
 
 
 def test_secret_from_env_reaches_kafka_settings(captured: list[WorkerConfig]) -> None:

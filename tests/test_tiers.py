@@ -383,14 +383,16 @@ def test_a_held_nearline_batch_does_not_close_by_age() -> None:
 
 def test_config_validates_backfill_topics() -> None:
     base = dict(group="g", output=Path("/o"))
-    config = WorkerConfig(topics=(LIVE, CORPUS), backfill_topics=(CORPUS,), **base)
-    assert config.backfill_topics == (CORPUS,)
+    config = WorkerConfig.of(topics=(LIVE, CORPUS), backfill_topics=(CORPUS,), **base)
+    assert config.input.backfill_topics == (CORPUS,)
     with pytest.raises(ConfigError, match="not among the topics"):
-        WorkerConfig(topics=(LIVE,), backfill_topics=(CORPUS,), **base)
+        WorkerConfig.of(topics=(LIVE,), backfill_topics=(CORPUS,), **base)
     with pytest.raises(ConfigError, match="besides"):
-        WorkerConfig(topics=(CORPUS,), backfill_topics=(CORPUS,), **base)
+        WorkerConfig.of(topics=(CORPUS,), backfill_topics=(CORPUS,), **base)
     with pytest.raises(ConfigError, match="backfill batch"):
-        WorkerConfig(topics=(LIVE, CORPUS), backfill_topics=(CORPUS,), backfill_batch_ms=0, **base)
+        WorkerConfig.of(
+            topics=(LIVE, CORPUS), backfill_topics=(CORPUS,), backfill_batch_ms=0, **base
+        )
 
 
 @pytest.fixture
@@ -399,7 +401,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[WorkerConfig]:
         if name.startswith("PIPELINE_"):
             monkeypatch.delenv(name)
     configs: list[WorkerConfig] = []
-    monkeypatch.setattr(cli, "_run_worker", configs.append)
+    monkeypatch.setattr(cli.run, "run_worker", configs.append)
     return configs
 
 
@@ -411,8 +413,8 @@ def test_cli_backfill_topic_flags(captured: list[WorkerConfig]) -> None:
     assert result.exit_code == 0, result.output
     (config,) = captured
     assert config.topics == (LIVE, CORPUS, "old")
-    assert config.backfill_topics == (CORPUS, "old")
-    assert config.backfill_batch_ms == 1000
+    assert config.input.backfill_topics == (CORPUS, "old")
+    assert config.batching.backfill_batch_ms == 1000
     assert config.dead_letter_topic == "live.dlq"
     result = CliRunner().invoke(cli.main, [*run, "--backfill-topic", LIVE])
     assert result.exit_code == ConfigError.exit_code
@@ -421,7 +423,10 @@ def test_cli_backfill_topic_flags(captured: list[WorkerConfig]) -> None:
         cli.main, run, env={"PIPELINE_BACKFILL_TOPIC": CORPUS, "PIPELINE_BACKFILL_BATCH_MS": "250"}
     )
     assert result.exit_code == 0, result.output
-    assert captured[-1].backfill_topics == (CORPUS,) and captured[-1].backfill_batch_ms == 250
+    assert (
+        captured[-1].input.backfill_topics == (CORPUS,)
+        and captured[-1].batching.backfill_batch_ms == 250
+    )
 
 
 # -- pipeline status -------------------------------------------------------------------------

@@ -35,7 +35,7 @@ TOKENIZER_PROCESS = ("auto", "on", "off")
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 _SECRET_FIELDS = frozenset({"sasl_plain_password", "ssl_password"})
-_URL_FIELDS = frozenset({"cache"})  # URLs whose password is redacted
+_URL_FIELDS = frozenset({"spec"})  # URLs whose password is redacted (the cache's)
 # The embedding cache (pipeline.model.cache): off, in-process, or a Redis URL.
 CACHE_OFF = "off"
 CACHE_LRU = "lru"
@@ -102,13 +102,27 @@ class KafkaSettings:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """Everything `pipeline run` needs, validated once."""
+class InputSettings:
+    """What is read, and how a record's value is taken."""
 
-    topics: tuple[str, ...]
-    group: str
-    output: Output  # a directory, or an object store (pipeline.core.layout)
-    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    # Among the topics, those read only while the others (nearline) have no lag
+    # (consumers.tiers).
+    backfill_topics: tuple[str, ...] = ()
+    dlq_topic: str | None = None
+    text_field: str = "text"
+    id_field: str = "id"
+    max_text_bytes: int = 65_536
+    until_end: bool = False
+    # Start partitions that this output holds nothing of at the group's committed
+    # offsets (by default that is refused: it would silently leave out every record
+    # before them).
+    from_committed: bool = False
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    """How micro-batches close, and how many may be between poll and commit."""
+
     # Large batches sort better (fewer, fuller forward passes); they only fill
     # under a backlog, as a batch closes as soon as the worker has caught up.
     batch_size: int = 4096
@@ -117,14 +131,19 @@ class WorkerConfig:
     # Bytes of record values per micro-batch: with max_in_flight, what bounds the
     # records the worker holds, whatever their size.
     max_batch_bytes: int = 16 * 1024 * 1024
-    # Padded tokens (longest x count) per forward pass; bounds activation memory.
-    # None: by device and model (pipeline.model.shapes.pass_defaults: 2048 for MiniLM on the
-    # CPU, 131072 on CUDA).
-    sub_batch_tokens: int | None = None
     max_in_flight: int = 2
+    # Backfill batches close at about this many milliseconds of embedding, which
+    # bounds the backfill work ahead of a nearline record (consumers.tiers).
+    backfill_batch_ms: int = 1000
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model and how it runs on this host."""
+
+    name: str = DEFAULT_MODEL
     precision: str = "auto"
     device: str = "auto"
-    model: str = DEFAULT_MODEL
     # Prepended to each record's text (pipeline.model.prompts); None: the model's own
     # (config_sentence_transformers.json), "" none.
     document_prompt: str | None = None
@@ -132,119 +151,226 @@ class WorkerConfig:
     # Matryoshka: keep the first N values of each vector (then normalised again where
     # the model normalises); None: the model's own truncate_dim, or all.
     dimensions: int | None = None
-    dlq_topic: str | None = None
-    text_field: str = "text"
-    id_field: str = "id"
-    max_text_bytes: int = 65_536
-    until_end: bool = False
-    # Start partitions that this output holds nothing of at the group's committed
-    # offsets (by default that is refused: it would silently leave out every
-    # record before them).
-    from_committed: bool = False
-    # Priority tiers (consumers.tiers): the topics, among `topics`, that are read only
-    # while the others (nearline) have no lag; their batches close at about this many
-    # milliseconds of embedding, which bounds the backfill work ahead of a nearline record.
-    backfill_topics: tuple[str, ...] = ()
-    backfill_batch_ms: int = 1000
-    max_poll_interval_ms: int = 300_000
-    session_timeout_ms: int = 45_000
-    # How long a revocation waits for in-flight batches; it blocks kafka-python's IO thread.
-    revoke_timeout_s: float = 5.0
+    # Padded tokens (longest x count) per forward pass; bounds activation memory.
+    # None: by device and model (pipeline.model.shapes.pass_defaults).
+    sub_batch_tokens: int | None = None
+    # Forward-pass shapes: "bucketed" (a bounded set, pipeline.model.shapes) or "exact".
+    shapes: str = "bucketed"
+    # Model replicas and threads per replica; None: from the usable CPUs (core.host).
+    replicas: int | None = None
+    torch_threads: int | None = None
+    # Tokenizing in child processes, a poll ahead of the poll loop
+    # (consumers.tokenize_process): "auto" where this process may use 2 CPUs or more;
+    # how many (None: one on the CPU, the plan's tokenizer threads beside a GPU).
+    tokenizer_process: str = "auto"
+    tokenizer_processes: int | None = None
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """The output's index and compaction (the output itself: WorkerConfig.output)."""
+
     index_sync_interval_s: float = 30.0
     # Small segments are merged this often (sinks.compaction); 0 turns it off.
     compact_interval_s: float = 600.0
     compact_target_mb: int = 128
+
+
+@dataclass(frozen=True)
+class LivenessSettings:
+    """How long the worker waits for the group, the cluster and itself."""
+
+    max_poll_interval_ms: int = 300_000
+    session_timeout_ms: int = 45_000
+    # How long a revocation waits for in-flight batches; it blocks kafka-python's IO thread.
+    revoke_timeout_s: float = 5.0
     # How long the worker keeps retrying a cluster that does not answer (commits,
-    # dead letters, end checks) before it exits with one line; the consumer
-    # itself reconnects on its own through broker restarts.
+    # dead letters, end checks) before it exits with one line; the consumer itself
+    # reconnects on its own through broker restarts.
     broker_timeout_s: float = 300.0
     shutdown_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The embedding cache by content (pipeline.model.cache): "off", "lru"
+    (in-process), or a Redis URL shared by workers and runs (the LRU stays in front).
+    Size: entries ("50000") or bytes ("32MiB"); the TTL and timeouts are Redis's."""
+
+    spec: str = "lru"
+    size: str = "32MiB"
+    ttl_s: float | None = None
+    timeout_ms: int = 500
+
+
+# Each `pipeline run` flag (its option name) -> (group, field); the TOML file's
+# [run.<group>] tables hold the same option names.
+GROUPS: dict[str, type] = {
+    "input": InputSettings,
+    "batching": BatchingSettings,
+    "model": ModelSettings,
+    "storage": StorageSettings,
+    "liveness": LivenessSettings,
+    "cache": CacheSettings,
+}
+_RENAMED = {
+    "model": ("model", "name"),
+    "cache": ("cache", "spec"),
+    "cache_size": ("cache", "size"),
+    "cache_ttl_s": ("cache", "ttl_s"),
+    "cache_timeout_ms": ("cache", "timeout_ms"),
+}
+OPTION_FIELDS: dict[str, tuple[str, str]] = {
+    **{
+        name: (group, name)
+        for group, settings in GROUPS.items()
+        for name in settings.__dataclass_fields__
+        if name not in ("name", "spec", "size", "ttl_s", "timeout_ms")
+    },
+    **_RENAMED,
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything `pipeline run` needs, validated once: what it reads and writes at the
+    top, the rest in groups (the flags and the TOML file's [run.<group>] tables follow
+    them: OPTION_FIELDS)."""
+
+    topics: tuple[str, ...]
+    group: str
+    output: Output  # a directory, or an object store (pipeline.core.layout)
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    input: InputSettings = field(default_factory=InputSettings)
+    batching: BatchingSettings = field(default_factory=BatchingSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    storage: StorageSettings = field(default_factory=StorageSettings)
+    liveness: LivenessSettings = field(default_factory=LivenessSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
     metrics_port: int | None = None
     progress: bool = True
-    # Forward-pass shapes: "bucketed" (a bounded set, pipeline.model.shapes) or "exact".
-    shapes: str = "bucketed"
-    # Tokenizing in a child process, a poll ahead of the poll loop
-    # (consumers.tokenize_process): "auto" where this process may use 2 CPUs or more.
-    tokenizer_process: str = "auto"
-    # How many, each taking a slice of every poll; None: one on the CPU, the plan's
-    # tokenizer threads beside a GPU.
-    tokenizer_processes: int | None = None
-    # Model replicas and threads per replica; None: from the usable CPUs (pipeline.core.host).
-    replicas: int | None = None
-    torch_threads: int | None = None
-    # The embedding cache by content (pipeline.model.cache): "off", "lru" (in-process), or
-    # a Redis URL shared by workers and runs (the LRU stays in front). Size: entries
-    # ("50000") or bytes ("32MiB"); the TTL and timeouts are the Redis tier's.
-    cache: str = "lru"
-    cache_size: str = "32MiB"
-    cache_ttl_s: float | None = None
-    cache_timeout_ms: int = 500
+
+    @classmethod
+    def of(
+        cls,
+        topics: tuple[str, ...] | list[str],
+        group: str,
+        output: Output,
+        kafka: KafkaSettings | None = None,
+        metrics_port: int | None = None,
+        progress: bool = True,
+        **options: Any,
+    ) -> WorkerConfig:
+        """From flat options, as the flags name them (`batch_size=...`, `model=...`)."""
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        for name, value in options.items():
+            if name not in OPTION_FIELDS:
+                raise ConfigError(f"unknown worker option {name!r}")
+            group_name, field_name = OPTION_FIELDS[name]
+            grouped[group_name][field_name] = value
+        made = {name: GROUPS[name](**values) for name, values in grouped.items()}
+        return cls(
+            tuple(topics),
+            group,
+            output,
+            kafka or KafkaSettings(),
+            metrics_port=metrics_port,
+            progress=progress,
+            **made,
+        )
 
     def __post_init__(self) -> None:
         if not self.topics:
             raise ConfigError("give at least one --topic")
         for topic in self.topics:
             _check_topic_name(topic)
-        unknown = [t for t in self.backfill_topics if t not in self.topics]
+        backfill = self.input.backfill_topics
+        unknown = [t for t in backfill if t not in self.topics]
         if unknown:
             raise ConfigError(f"backfill topic(s) {', '.join(unknown)} are not among the topics")
-        if self.backfill_topics and set(self.topics) <= set(self.backfill_topics):
+        if backfill and set(self.topics) <= set(backfill):
             raise ConfigError("give at least one --topic besides the --backfill-topic ones")
-        _check_positive("backfill batch (ms)", self.backfill_batch_ms)
         if not self.group.strip():
             raise ConfigError("--group must not be empty")
-        _check_positive("batch size", self.batch_size)
-        _check_positive("poll timeout (ms)", self.poll_timeout_ms)
-        _check_positive("max batch tokens", self.max_batch_tokens)
-        _check_positive("max batch bytes", self.max_batch_bytes)
-        _check_positive("max in flight", self.max_in_flight)
-        _check_positive("max text bytes", self.max_text_bytes)
-        _check_positive("max poll interval (ms)", self.max_poll_interval_ms)
-        _check_positive("broker timeout (s)", self.broker_timeout_s)
-        _check_positive("compaction target (MB)", self.compact_target_mb)
-        if self.compact_interval_s < 0:
+        b, m, live = self.batching, self.model, self.liveness
+        for label, value in (
+            ("backfill batch (ms)", b.backfill_batch_ms),
+            ("batch size", b.batch_size),
+            ("poll timeout (ms)", b.poll_timeout_ms),
+            ("max batch tokens", b.max_batch_tokens),
+            ("max batch bytes", b.max_batch_bytes),
+            ("max in flight", b.max_in_flight),
+            ("max text bytes", self.input.max_text_bytes),
+            ("max poll interval (ms)", live.max_poll_interval_ms),
+            ("broker timeout (s)", live.broker_timeout_s),
+            ("compaction target (MB)", self.storage.compact_target_mb),
+            ("cache timeout (ms)", self.cache.timeout_ms),
+        ):
+            _check_positive(label, value)
+        if self.storage.compact_interval_s < 0:
             raise ConfigError("--compact-interval-s must be 0 (off) or more")
-        optional = {
-            "replicas": "replicas",
-            "torch_threads": "torch threads",
-            "sub_batch_tokens": "sub-batch tokens",
-            "dimensions": "dimensions",
-            "tokenizer_processes": "tokenizer processes",
-        }
-        for name, label in optional.items():
-            value = getattr(self, name)
-            if value is not None:
-                _check_positive(label, value)
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("shapes", self.shapes, SHAPES)
-        _check_choice("tokenizer process", self.tokenizer_process, TOKENIZER_PROCESS)
-        if self.dlq_topic is not None:
-            _check_topic_name(self.dlq_topic)
-            if self.dlq_topic in self.topics:
+        for label, optional in (
+            ("replicas", m.replicas),
+            ("torch threads", m.torch_threads),
+            ("sub-batch tokens", m.sub_batch_tokens),
+            ("dimensions", m.dimensions),
+            ("tokenizer processes", m.tokenizer_processes),
+            ("cache TTL (s)", self.cache.ttl_s),
+        ):
+            if optional is not None:
+                _check_positive(label, optional)
+        _check_choice("precision", m.precision, PRECISIONS)
+        _check_choice("device", m.device, DEVICES)
+        _check_choice("shapes", m.shapes, SHAPES)
+        _check_choice("tokenizer process", m.tokenizer_process, TOKENIZER_PROCESS)
+        dlq = self.input.dlq_topic
+        if dlq is not None:
+            _check_topic_name(dlq)
+            if dlq in self.topics:
                 raise ConfigError("the dead-letter topic must not be one of the input topics")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port")
-        if self.text_field == self.id_field:
+        if self.input.text_field == self.input.id_field:
             raise ConfigError("--text-field and --id-field must differ")
-        check_cache_spec(self.cache)
-        parse_cache_size(self.cache_size)
-        _check_positive("cache timeout (ms)", self.cache_timeout_ms)
-        if self.cache_ttl_s is not None:
-            _check_positive("cache TTL (s)", self.cache_ttl_s)
+        check_cache_spec(self.cache.spec)
+        parse_cache_size(self.cache.size)
 
     @property
     def dead_letter_topic(self) -> str:
-        return self.dlq_topic or f"{self.topics[0]}.dlq"
+        return self.input.dlq_topic or f"{self.topics[0]}.dlq"
 
     @classmethod
-    def default_of(cls, name: str) -> Any:
-        """A field's default, for the CLI's --help and the benchmark's defaults."""
-        return cls.__dataclass_fields__[name].default
+    def default_of(cls, option: str) -> Any:
+        """An option's default, for the CLI's --help and the benchmark's defaults."""
+        if option in OPTION_FIELDS:
+            group, name = OPTION_FIELDS[option]
+            return GROUPS[group].__dataclass_fields__[name].default
+        return cls.__dataclass_fields__[option].default
 
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as a dict, secrets replaced, for the start-up log."""
         return redact(dataclasses.asdict(self))
+
+
+def flatten_run_table(table: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """A file's [run] table with its [run.<group>] tables (batching, model, ...) taken
+    in: the options by the names the flags have, each given once and in its group."""
+    flat = {key: value for key, value in table.items() if not isinstance(value, Mapping)}
+    twice = []
+    for key, value in table.items():
+        if not isinstance(value, Mapping):
+            continue
+        if key not in GROUPS:
+            raise ConfigError(f"{path}: [run.{key}] is not one of {', '.join(GROUPS)}")
+        for option, option_value in value.items():
+            if OPTION_FIELDS.get(option, ("",))[0] != key:
+                raise ConfigError(f"{path}: {option!r} is not an option of [run.{key}]")
+            if option in flat:
+                twice.append(option)
+            flat[option] = option_value
+    if twice:
+        raise ConfigError(f"{path}: {', '.join(twice)} given both in [run] and in its group")
+    return flat
 
 
 def redact(value: Any) -> Any:

@@ -492,18 +492,18 @@ def open_cache(
     config: WorkerConfig, info: ModelInfo, metrics: WorkerMetrics | None = None
 ) -> EmbeddingCache | None:
     """The worker's cache as configured (None for --cache off)."""
-    spec = config.cache
+    spec = config.cache.spec
     if spec == CACHE_OFF:
         return None
-    entries, size = parse_cache_size(config.cache_size)
+    entries, size = parse_cache_size(config.cache.size)
     fingerprint = model_fingerprint(info)
     remote = None
     if spec != CACHE_LRU:
         remote = RedisCache(
             spec,
             namespace=f"pipeline:emb:{fingerprint[:16]}:".encode(),
-            ttl_s=config.cache_ttl_s,
-            timeout_s=config.cache_timeout_ms / 1000,
+            ttl_s=config.cache.ttl_s,
+            timeout_s=config.cache.timeout_ms / 1000,
         )
     cache = EmbeddingCache(fingerprint, info.dim, LruCache(entries, size), remote, metrics)
     log.info("cache: %s", cache.describe())

@@ -1,0 +1,92 @@
+"""What every command's options share: environment variables, the output type, one
+line and a sysexits code for every expected failure."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pipeline.core.errors import ConfigError, PipelineError
+
+MODEL_HELP = (
+    "'default' (the packaged all-MiniLM-L6-v2), 'multilingual-e5-small' (the multilingual "
+    "extra), a local sentence-transformers or Hugging Face folder, or a hub id."
+)
+
+F = Callable[..., Any]
+
+
+class OutputPath(click.Path):
+    """A local output directory, or `s3://bucket/prefix` on an S3-compatible store
+    (sinks.objectstore: endpoint and credentials from the environment). Any other
+    URL is refused in one line rather than turned into a local folder named `x:`."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str) or "://" not in value:
+            return super().convert(value, param, ctx)
+        from sinks.objectstore import ObjectStore, is_object_store_url
+
+        if not is_object_store_url(value):
+            self.fail(f"{value}: give a local directory or s3://bucket/prefix", param, ctx)
+        try:
+            return ObjectStore.from_url(value)
+        except PipelineError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+OUTPUT = OutputPath()
+
+
+def env_option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """A click option that also reads PIPELINE_<NAME> from the environment."""
+    name = next(d for d in decls if d.startswith("--")).lstrip("-").replace("-", "_").upper()
+    kwargs.setdefault("envvar", f"PIPELINE_{name}")
+    kwargs.setdefault("show_envvar", True)
+    return click.option(*decls, **kwargs)
+
+
+class PipelineGroup(click.Group):
+    """Turns expected failures into one line on stderr and an exit code outside 0-4.
+
+    0-4 are findings (`status` verdicts, `audit` results), so nothing operational
+    may use them: click's usage errors (exit 2 by default) exit 64 (EX_USAGE),
+    like a ConfigError, and PipelineErrors exit with their own sysexits code.
+    """
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        # The global options are parsed here, before invoke().
+        with _usage_exit_code():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            with _usage_exit_code():
+                return super().invoke(ctx)
+        except PipelineError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@contextlib.contextmanager
+def _usage_exit_code() -> Iterator[None]:
+    try:
+        yield
+    except click.UsageError as exc:  # BadParameter, MissingParameter, NoSuchOption, ...
+        exc.exit_code = ConfigError.exit_code
+        raise

@@ -1,0 +1,178 @@
+"""`pipeline run`: the worker's flags, made into one WorkerConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from pipeline.cli.main import main
+from pipeline.cli.options import MODEL_HELP, OUTPUT, F, env_option
+from pipeline.core.config import (
+    DEVICES,
+    PRECISIONS,
+    SHAPES,
+    TOKENIZER_PROCESS,
+    KafkaSettings,
+    WorkerConfig,
+)
+from pipeline.core.errors import ConfigError
+
+# -- run ------------------------------------------------------------------------------
+
+
+def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
+    """An option whose default is WorkerConfig's: --help and the configuration agree."""
+    default = WorkerConfig.default_of(flag.lstrip("-").replace("-", "_"))
+    return env_option(flag, default=default, show_default=True, **kwargs)
+
+
+@main.command()
+@env_option("--topic", "topic", multiple=True, required=True, help="Input topic (repeatable).")
+@env_option("--group", required=True, help="Consumer group id.")
+@env_option("--output", required=True, type=OUTPUT)
+@_run_option("--batch-size", type=int)
+@_run_option("--poll-timeout-ms", type=int)
+@_run_option("--max-batch-tokens", type=int)
+@_run_option("--max-batch-bytes", type=int, help="Bytes of record values per micro-batch.")
+@env_option(
+    "--sub-batch-tokens",
+    type=int,
+    default=None,
+    help="Padded tokens per forward pass [default: on the CPU, 12 MiB of the model's widest "
+    "activation (2048 for all-MiniLM-L6-v2); 131072 on CUDA].",
+)
+@_run_option("--max-in-flight", type=int)
+@_run_option("--precision", type=click.Choice(PRECISIONS))
+@_run_option("--device", type=click.Choice(DEVICES))
+@_run_option("--model", help=MODEL_HELP)
+@env_option(
+    "--document-prompt",
+    default=None,
+    help="Prepended to each record's text [default: the model's own, e.g. e5's 'passage: '; "
+    "'' for none].",
+)
+@env_option(
+    "--query-prompt",
+    default=None,
+    help="Recorded for `pipeline search` [default: the model's own, e.g. e5's 'query: '].",
+)
+@env_option(
+    "--dimensions",
+    type=int,
+    default=None,
+    help="Matryoshka: store the first N values of each vector, normalised again where the "
+    "model normalises (sentence-transformers' truncate_dim) [default: the model's own, or all].",
+)
+@env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
+@_run_option("--text-field")
+@_run_option("--id-field")
+@_run_option("--max-text-bytes", type=int)
+@env_option("--until-end", is_flag=True, help="Bulk mode: exit 0 at the end offsets at start.")
+@env_option(
+    "--from-committed",
+    is_flag=True,
+    help="Start partitions this output holds nothing of at the group's committed offsets "
+    "(a fresh --output for an existing --group).",
+)
+@env_option(
+    "--backfill-topic",
+    "backfill_topic",
+    multiple=True,
+    help="Lower-priority input topic (repeatable), same group: read only while the --topic "
+    "ones have no lag.",
+)
+@_run_option(
+    "--backfill-batch-ms",
+    type=int,
+    help="With --backfill-topic: backfill batches close at about this much embedding.",
+)
+@_run_option("--max-poll-interval-ms", type=int)
+@_run_option("--session-timeout-ms", type=int)
+@_run_option("--index-sync-interval-s", type=float)
+@_run_option(
+    "--compact-interval-s",
+    type=float,
+    help="Merge small Parquet segments this often (pipeline compact); 0: never.",
+)
+@_run_option("--compact-target-mb", type=int, help="Size merged segments grow to.")
+@_run_option("--shutdown-timeout-s", type=float)
+@_run_option(
+    "--broker-timeout-s",
+    type=float,
+    help="How long to keep retrying a cluster that does not answer before exiting.",
+)
+@env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
+@env_option("--progress/--no-progress", default=True, show_default=True)
+@_run_option(
+    "--shapes",
+    type=click.Choice(SHAPES),
+    help="Forward-pass shapes: a bounded set, or each batch's own (to measure the difference).",
+)
+@_run_option(
+    "--tokenizer-process",
+    type=click.Choice(TOKENIZER_PROCESS),
+    help="Parse and tokenize in a child process, a poll ahead of the poll loop "
+    "[auto: with 2+ CPUs].",
+)
+@env_option(
+    "--tokenizer-processes",
+    type=int,
+    default=None,
+    help="How many such children, each taking a slice of every poll [default: 1 on the CPU; "
+    "beside a GPU, one per tokenizer thread of the plan].",
+)
+@env_option(
+    "--replicas",
+    type=int,
+    default=None,
+    help="Model replicas running passes at once on the CPU [default: one per usable core, "
+    "less one above two, at most 4].",
+)
+@env_option(
+    "--torch-threads",
+    type=int,
+    default=None,
+    help="CPU threads per replica [default: the usable cores the replicas leave, shared].",
+)
+@_run_option(
+    "--cache",
+    help="Embedding cache by content: off, lru (in-process), or redis://HOST:PORT/DB "
+    "(shared by workers and runs; the LRU stays in front).",
+)
+@_run_option("--cache-size", help="In-process cache bound: entries (50000) or bytes (32MiB).")
+@env_option(
+    "--cache-ttl-s",
+    type=float,
+    default=None,
+    help="Expiry of vectors written to Redis [default: none; the server's eviction].",
+)
+@_run_option("--cache-timeout-ms", type=int, help="Redis socket timeouts (no retries).")
+@click.pass_obj
+def run(
+    kafka: KafkaSettings, topic: tuple[str, ...], backfill_topic: tuple[str, ...], **options: Any
+) -> None:
+    """Consume, embed and write records until stopped (or to the end with --until-end)."""
+    both = sorted(set(topic) & set(backfill_topic))
+    if both:
+        raise ConfigError(f"{', '.join(both)}: a topic is either --topic or --backfill-topic")
+    config = WorkerConfig.of(
+        tuple(topic) + tuple(backfill_topic),
+        options.pop("group"),
+        options.pop("output"),
+        kafka,
+        metrics_port=options.pop("metrics_port"),
+        progress=options.pop("progress"),
+        backfill_topics=tuple(backfill_topic),
+        **options,
+    )
+    summary = run_worker(config)
+    click.echo(f"done: {summary}", err=True)
+
+
+# The worker's process (consumers.runtime); a name here so that tests take the config.
+def run_worker(config: WorkerConfig) -> Any:
+    from consumers.runtime import run
+
+    return run(config)
