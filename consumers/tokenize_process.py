@@ -10,7 +10,7 @@ as columns (texts, ids, metadata; the bad records' reasons); the token ids as on
 int32 array and its offsets, each text's ids a view of it, not a Python list
 (making those lists cost as much as half the tokenizing).
 
-The child runs pipeline.model.wordpiece's fast path where the tokenizer is BERT's
+The child runs pipeline.model.tokenize.wordpiece's fast path where the tokenizer is BERT's
 WordPiece (rebuilt from the worker's own tokenizer and checked against it at
 start, its tables built before the child says it is ready), and the Rust
 tokenizer for the texts that path leaves and for every other tokenizer
@@ -266,11 +266,11 @@ def main() -> None:
 def _serve(conn: Connection, max_length: int) -> None:
     from tokenizers import Tokenizer
 
-    from pipeline.model import wordpiece
+    from pipeline.model.tokenize import batches, fast_path
 
-    tokenizer_json, parser, prompt, fast_path = pickle.loads(conn.recv_bytes())
+    tokenizer_json, parser, prompt, use_fast_path = pickle.loads(conn.recv_bytes())
     rust_tokenizer = Tokenizer.from_str(tokenizer_json)
-    fast = wordpiece.for_tokenizer(rust_tokenizer, max_length) if fast_path else None
+    fast = fast_path.for_tokenizer(rust_tokenizer, max_length) if use_fast_path else None
     if fast is not None:
         fast.unicode_rules()  # built now, not at the first non-ASCII poll
     kind = "the fast WordPiece path" if fast is not None else "the Rust tokenizer"
@@ -280,9 +280,9 @@ def _serve(conn: Connection, max_length: int) -> None:
         texts, record_ids, metadatas, bad = _parsed(parser, values)
         prompted = [prompt + text for text in texts] if prompt else texts
         if fast is not None:
-            tokens = wordpiece.encode_taken_flat(fast, prompted, rust_tokenizer)
+            tokens = batches.encode_taken_flat(fast, prompted, rust_tokenizer)
         else:
-            tokens = wordpiece.encode_rust_flat(rust_tokenizer, prompted)
+            tokens = batches.encode_rust_flat(rust_tokenizer, prompted)
         answer = ("parsed", (tokens, texts, record_ids, metadatas, bad))
         conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 

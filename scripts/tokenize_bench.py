@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The tokenizer by measurement: pipeline.model.wordpiece's hand-written path against the
+"""The tokenizer by measurement: pipeline.model.tokenize.wordpiece's hand-written path against the
 Rust tokenizer, on corpora it has not seen, cold and warm, side by side in one run.
 
 Corpora (built on this machine, nothing downloaded):
@@ -142,10 +142,10 @@ def rust_in_process(rust: Any, texts: list[str]) -> tuple[list[list[int]], float
 
 
 def fast_in_process(fast: Any, rust: Any, texts: list[str]) -> tuple[list[list[int]], float]:
-    from pipeline.model import wordpiece
+    from pipeline.model.tokenize import batches
 
     started = time.process_time()
-    flat, offsets, _, _ = wordpiece.encode_taken_flat(fast, texts, rust)
+    flat, offsets, _, _ = batches.encode_taken_flat(fast, texts, rust)
     seconds = time.process_time() - started
     ids = [flat[a:b].tolist() for a, b in pairwise(offsets.tolist())]
     return ids, _per_text_us(seconds, texts)
@@ -193,7 +193,7 @@ def _per_text_us(seconds: float, texts: list[str]) -> float:
 
 
 def measure(name: str, texts: list[str], spec: Any, processes: list[int]) -> dict[str, Any]:
-    from pipeline.model import wordpiece
+    from pipeline.model.tokenize import fast_path
 
     half = len(texts) // 2
     cold, warm = texts[:half], texts[half:]
@@ -203,7 +203,7 @@ def measure(name: str, texts: list[str], spec: Any, processes: list[int]) -> dic
     expected_cold, row["rust_cold_us"] = rust_in_process(rust, cold)
     expected_warm, row["rust_warm_us"] = rust_in_process(rust, warm)
     started = time.perf_counter()
-    fast = wordpiece.for_tokenizer(rust, spec.max_length)
+    fast = fast_path.for_tokenizer(rust, spec.max_length)
     if fast is not None:
         fast.unicode_rules()
     row["fast_setup_ms"] = round((time.perf_counter() - started) * 1000, 1)
@@ -218,11 +218,11 @@ def measure(name: str, texts: list[str], spec: Any, processes: list[int]) -> dic
         equal &= got == expected_warm
     tokenizer_json = rust.to_str()
     for count in processes:
-        for mode, fast_path in (("rust", False), ("fast", True)):
-            if fast_path and fast is None:
+        for mode, use_fast_path in (("rust", False), ("fast", True)):
+            if use_fast_path and fast is None:
                 continue
             setup_ms, halves = through_processes(
-                tokenizer_json, spec.max_length, fast_path, count, [cold, warm]
+                tokenizer_json, spec.max_length, use_fast_path, count, [cold, warm]
             )
             row[f"process{count}_{mode}_setup_ms"] = round(setup_ms)
             for label, (ids, us), expected in zip(

@@ -23,7 +23,7 @@ BOOTSTRAP = os.environ.get("PIPELINE_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
 def model_metadata_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Resolved tokenizers and weights hashes (pipeline.model) in a cache of the
     session's own, for workers too: a test never reads what another code left."""
-    from pipeline.model.tokenizer import CACHE_ENV
+    from pipeline.model.tokenize.resolve import CACHE_ENV
 
     cache = tmp_path_factory.mktemp("model-metadata")
     before = os.environ.get(CACHE_ENV)

@@ -86,8 +86,8 @@ def test_the_resolved_tokenizer_is_autotokenizers(model_path: Path, texts: list[
     read back from the metadata cache without transformers."""
     from transformers import AutoTokenizer
 
-    from pipeline.model import tokenizer as resolved_tokenizers
     from pipeline.model.spec import ModelSpec
+    from pipeline.model.tokenize import resolve as resolved_tokenizers
 
     spec = ModelSpec.read(str(model_path))
     theirs = AutoTokenizer.from_pretrained(str(model_path))
@@ -350,7 +350,7 @@ def test_int8_without_torch_quantization_is_one_clear_error(
 def test_default_model_loads_without_transformers() -> None:
     """The point of pipeline.model.bert: transformers (and the torch._dynamo and
     torch.distributed.tensor its modeling code imports) stay out of start-up, once
-    the model's tokenizer is resolved (pipeline.model.tokenizer: the first start)."""
+    the model's tokenizer is resolved (pipeline.model.tokenize.resolve: the first start)."""
     from pipeline.model.spec import ModelSpec
 
     ModelSpec.read("default")

@@ -183,8 +183,8 @@ def test_file_groups_run_options_as_the_config_groups_them(
 ) -> None:
     path = toml(
         tmp_path,
-        '[run]\nmax-in-flight = 3\n'
-        '[run.batching]\nbatch-size = 64\npoll_timeout_ms = 100\n'
+        "[run]\nmax-in-flight = 3\n"
+        "[run.batching]\nbatch-size = 64\npoll_timeout_ms = 100\n"
         '[run.model]\nmodel = "/models/e5"\nprecision = "fp32"\ndimensions = 128\n'
         '[run.cache]\ncache = "off"\n[run.liveness]\nsession-timeout-ms = 20000\n',
     )

@@ -17,8 +17,8 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from pipeline.core.corpus import sample_texts
-from pipeline.model import wordpiece
 from pipeline.model.embedder import TOKENIZER_ENV, Embedder
+from pipeline.model.tokenize import batches, fast_path, unicode_rules, wordpiece
 
 
 def rust(embedder: Embedder) -> Tokenizer:
@@ -108,7 +108,7 @@ def flat_equal_to_rust(
     non-ASCII texts, each kind joined) gives `expected`, batch by batch."""
     for start in range(0, len(texts), size):
         batch = texts[start : start + size]
-        flat, offsets, _, others = wordpiece.encode_taken_flat(fast, batch)
+        flat, offsets, _, others = batches.encode_taken_flat(fast, batch)
         got = [flat[a:b].tolist() for a, b in pairwise(offsets)]
         assert (got, others) == (expected[start : start + size], [])
 
@@ -125,13 +125,13 @@ def equal_to_rust_in_batches(
         assert ids == [e.ids for e in expected]
         assert truncated == sum(bool(e.overflowing) for e in expected)
         # The same as arrays, as the tokenizer process sends them.
-        flat, offsets, flat_truncated, others = wordpiece.encode_taken_flat(fast, batch)
+        flat, offsets, flat_truncated, others = batches.encode_taken_flat(fast, batch)
         assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == ids
         assert (flat_truncated, others, flat.dtype) == (truncated, [], np.int32)
 
 
 def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> None:
-    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    fast = fast_path.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
     prose = sample_texts(3000)
     long = [" ".join(prose[i : i + 12]) for i in range(0, 600, 12)]  # past max_length
@@ -159,7 +159,7 @@ def test_ids_and_truncation_equal_the_rust_tokenizers(embedder: Embedder) -> Non
 def test_special_tokens_go_to_the_rust_tokenizer_other_brackets_do_not(
     embedder: Embedder,
 ) -> None:
-    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    fast = fast_path.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
     # all-MiniLM's special tokens are matched in the raw text, case and all.
     for text in ("a [MASK] b", "x[CLS]", "[SEP]", "[[UNK]]", "pad [PAD]"):
@@ -173,14 +173,14 @@ def test_special_tokens_go_to_the_rust_tokenizer_other_brackets_do_not(
     for token in spec["added_tokens"]:
         token["normalized"] = True
     normalized = Tokenizer.from_str(json.dumps(spec))
-    fast = wordpiece.for_tokenizer(normalized, embedder.info.max_length)
+    fast = fast_path.for_tokenizer(normalized, embedder.info.max_length)
     assert fast is not None
     assert not fast.handles("a[0] = b[i]") and not fast.handles("[mask]")
     assert fast.handles("plain text")
 
 
 def test_mixed_language_texts_equal_the_rust_tokenizers(embedder: Embedder) -> None:
-    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    fast = fast_path.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None and fast.unicode_rules() is not None
     texts = unicode_fuzz(4000)
     texts += ["".join(texts[i : i + 40]) for i in range(0, 2000, 40)]  # past max_length
@@ -206,7 +206,7 @@ def test_other_normaliser_settings_equal_the_rust_tokenizers(
     embedder: Embedder, changes: dict
 ) -> None:
     tokenizer = _with(rust(embedder), **changes)
-    fast = wordpiece.for_tokenizer(tokenizer, embedder.info.max_length)
+    fast = fast_path.for_tokenizer(tokenizer, embedder.info.max_length)
     assert fast is not None and fast.unicode_rules() is not None
     assert equal_to_rust(fast, tokenizer, unicode_fuzz(1500, seed=5)) > 500
 
@@ -230,8 +230,8 @@ def test_texts_it_does_not_handle_go_to_the_rust_tokenizer_in_order(embedder: Em
     assert fast is not None
     assert [fast.handles(t) for t in texts] == [1, 1, 1, 0, 1, 0, 1, 1]
     # As arrays (the tokenizer process's answer): the same ids, empty for others.
-    listed, listed_truncated, listed_others = wordpiece.encode_taken(fast, texts)
-    flat, offsets, flat_truncated, others = wordpiece.encode_taken_flat(fast, texts)
+    listed, listed_truncated, listed_others = batches.encode_taken(fast, texts)
+    flat, offsets, flat_truncated, others = batches.encode_taken_flat(fast, texts)
     assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == listed
     assert (flat_truncated, others) == (listed_truncated, listed_others) == (0, [3, 5])
 
@@ -242,16 +242,16 @@ def test_characters_the_check_disagrees_on_go_to_the_rust_tokenizer(
     """Rules read wrong for one character (here the ideographic comma as part of a
     word, where BERT makes it a word of its own): the check at load leaves that
     character out, and texts holding it go to the Rust tokenizer."""
-    read = wordpiece._unicode_rules
+    read = unicode_rules.unicode_rules
 
-    def misread(spec: dict) -> wordpiece._UnicodeRules:
+    def misread(spec: dict) -> unicode_rules.UnicodeRules:
         rules = read(spec)
         # "、" and what touches it read as one word, before the rules' own split.
         split = re.compile(f"[^\\s、]*、[^\\s、]*|{rules.split.pattern}")
         return dataclasses.replace(rules, split=split)
 
-    monkeypatch.setattr(wordpiece, "_unicode_rules", misread)
-    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    monkeypatch.setattr(unicode_rules, "unicode_rules", misread)
+    fast = fast_path.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
     assert not fast.handles("向量、检索")
     assert fast.handles("向量，检索")
@@ -270,7 +270,7 @@ def test_the_rust_tokenizer_can_be_chosen(monkeypatch: pytest.MonkeyPatch, embed
 
 def test_remembered_words_stay_bounded(monkeypatch: pytest.MonkeyPatch, embedder: Embedder) -> None:
     monkeypatch.setattr(wordpiece, "MAX_REMEMBERED_WORDS", 50)
-    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    fast = fast_path.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
     texts = [t for t in ascii_fuzz(300, seed=11) if fast.handles(t)]
     expected = rust(embedder).encode_batch(texts, add_special_tokens=True)
@@ -285,7 +285,7 @@ def test_remembered_words_stay_bounded(monkeypatch: pytest.MonkeyPatch, embedder
     sizes = []
     for start in range(0, len(texts), 40):
         batch = texts[start : start + 40]
-        flat, offsets, _, _ = wordpiece.encode_taken_flat(fast, batch)
+        flat, offsets, _, _ = batches.encode_taken_flat(fast, batch)
         expected = [e.ids for e in rust(embedder).encode_batch(batch)]
         assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == expected
         sizes.append(len(fast._table._slots))
@@ -296,7 +296,7 @@ def test_remembered_words_stay_bounded(monkeypatch: pytest.MonkeyPatch, embedder
 def test_a_text_with_control_characters_does_not_slow_the_rest_of_its_batch(
     monkeypatch: pytest.MonkeyPatch, embedder: Embedder
 ) -> None:
-    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    fast = fast_path.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
     texts = sample_texts(60)
     texts[7] = "form\x0cfeed " + texts[7]
@@ -305,10 +305,10 @@ def test_a_text_with_control_characters_does_not_slow_the_rest_of_its_batch(
     alone: list[str] = []
     encode = fast.encode
     monkeypatch.setattr(fast, "encode", lambda text: alone.append(text) or encode(text))
-    ids, _, others = wordpiece.encode_taken(fast, texts)
+    ids, _, others = batches.encode_taken(fast, texts)
     assert (ids, others, alone) == (expected, [], [texts[7], texts[41]])
     alone.clear()
-    flat, offsets, _, others = wordpiece.encode_taken_flat(fast, texts)
+    flat, offsets, _, others = batches.encode_taken_flat(fast, texts)
     assert [flat[a:b].tolist() for a, b in pairwise(offsets)] == expected
     assert (others, alone) == ([], [texts[7], texts[41]])
 
@@ -324,16 +324,16 @@ def _with(tokenizer: Tokenizer, **changes: object) -> Tokenizer:
 def test_other_tokenizer_pipelines_are_refused(embedder: Embedder) -> None:
     base = rust(embedder)
     length = embedder.info.max_length
-    assert wordpiece.for_tokenizer(base, length) is not None
+    assert fast_path.for_tokenizer(base, length) is not None
     # Control characters kept, another pre-tokenizer, another model: not BERT's pipeline.
-    assert wordpiece.for_tokenizer(_with(base, normalizer__clean_text=False), length) is None
+    assert fast_path.for_tokenizer(_with(base, normalizer__clean_text=False), length) is None
     with_word = Tokenizer.from_str(base.to_str())
     with_word.add_tokens(["pipeline"])  # matched whole, even inside "pipelines"
-    assert wordpiece.for_tokenizer(with_word, length) is None
+    assert fast_path.for_tokenizer(with_word, length) is None
     other = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     other.normalizer = normalizers.Lowercase()
     other.pre_tokenizer = pre_tokenizers.Whitespace()
-    assert wordpiece.for_tokenizer(other, length) is None
+    assert fast_path.for_tokenizer(other, length) is None
 
 
 def test_a_fast_path_the_check_disagrees_with_is_refused(
@@ -341,7 +341,7 @@ def test_a_fast_path_the_check_disagrees_with_is_refused(
 ) -> None:
     """If the declared pipeline reads as BERT's but the ids differ anyway, the check
     at load refuses it: here the lower-casing misread from the spec."""
-    read = wordpiece._from_spec
+    read = fast_path._from_spec
 
     def misread(spec: dict, max_length: int) -> wordpiece.FastWordPiece | None:
         fast = read(spec, max_length)
@@ -349,8 +349,8 @@ def test_a_fast_path_the_check_disagrees_with_is_refused(
             fast._lowercase = not fast._lowercase
         return fast
 
-    monkeypatch.setattr(wordpiece, "_from_spec", misread)
-    assert wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length) is None
+    monkeypatch.setattr(fast_path, "_from_spec", misread)
+    assert fast_path.for_tokenizer(rust(embedder), embedder.info.max_length) is None
 
 
 def test_non_ascii_rules_the_sample_check_disagrees_with_are_not_used(
@@ -359,13 +359,13 @@ def test_non_ascii_rules_the_sample_check_disagrees_with_are_not_used(
     """Rules that pass the character check but misread a setting (here: no
     lower-casing for an uncased model) fail the check on whole mixed texts, made
     at the first non-ASCII text: from then on only ASCII texts are taken."""
-    read = wordpiece._unicode_rules
+    read = unicode_rules.unicode_rules
 
-    def unlowered(spec: dict) -> wordpiece._UnicodeRules:
+    def unlowered(spec: dict) -> unicode_rules.UnicodeRules:
         return dataclasses.replace(read(spec), lowercase=False)
 
-    monkeypatch.setattr(wordpiece, "_unicode_rules", unlowered)
-    fast = wordpiece.for_tokenizer(rust(embedder), embedder.info.max_length)
+    monkeypatch.setattr(unicode_rules, "unicode_rules", unlowered)
+    fast = fast_path.for_tokenizer(rust(embedder), embedder.info.max_length)
     assert fast is not None
     assert fast.unicode is None  # not built at load: English-only work never pays for it
     assert not fast.handles("Café au lait")

@@ -38,9 +38,10 @@ import numpy as np
 from pipeline.core.errors import ModelError
 from pipeline.core.host import CpuPlan, release_free_memory
 from pipeline.core.model_info import ModelInfo
-from pipeline.model import wordpiece
 from pipeline.model.shapes import Pass, ShapePlan, pass_defaults
 from pipeline.model.spec import ModelSpec
+from pipeline.model.tokenize import batches, fast_path
+from pipeline.model.tokenize.wordpiece import FastWordPiece
 
 if TYPE_CHECKING:
     from pipeline.model.head import Head
@@ -58,7 +59,7 @@ TRIM_AFTER_BYTES = 2 << 20
 # "transformers" (to compare against, or to step around pipeline.model.bert).
 ENCODER_ENV = "PIPELINE_ENCODER"
 ENCODERS = ("auto", "native", "transformers")
-# Which tokenizer serves texts on the CPU: "auto" (pipeline.model.wordpiece where the
+# Which tokenizer serves texts on the CPU: "auto" (pipeline.model.tokenize.wordpiece where the
 # model's tokenizer is BERT's WordPiece and the check at load agrees) or "rust"
 # (the Rust tokenizer for every text, to compare against).
 TOKENIZER_ENV = "PIPELINE_TOKENIZER"
@@ -158,12 +159,12 @@ class Embedder:
         self.tokenizer_threads = max(1, tokenizer_threads or replicas * (threads_per_replica or 1))
         self._tokenizers: ThreadPoolExecutor | None = None
         # On the CPU the tokenizer takes cores from the model: the fast path
-        # (pipeline.model.wordpiece) costs a fraction of the Rust tokenizer's CPU time where
-        # words repeat (scripts/tokenize_bench.py). On CUDA the tokenizer threads are
+        # (pipeline.model.tokenize) costs a fraction of the Rust tokenizer's CPU time
+        # (docs/models.md). On CUDA the tokenizer threads are
         # the ceiling, and the Rust ones run outside the GIL, side by side.
-        self._wordpiece: wordpiece.FastWordPiece | None = None
+        self._wordpiece: FastWordPiece | None = None
         if info.device == "cpu" and tokenizer_choice() == "auto":
-            self._wordpiece = wordpiece.for_tokenizer(self._fast, info.max_length)
+            self._wordpiece = fast_path.for_tokenizer(self._fast, info.max_length)
             if self._wordpiece is not None:
                 self._wordpiece.unicode_rules()  # at load, not at the first non-ASCII text
         # Tokens at the start of every row that pooling leaves out, per prompt
@@ -307,7 +308,7 @@ class Embedder:
     def tokenize(self, texts: list[str], prompt: str | None = None) -> Tokenized:
         """Token ids in the texts' order, each text after `prompt` (None: the document
         prompt), so the prompt's tokens count against max_length and every budget.
-        Through pipeline.model.wordpiece where it applies (on the caller's thread), the
+        Through pipeline.model.tokenize.wordpiece where it applies (on the caller's thread), the
         texts it does not take through the Rust tokenizer."""
         texts = self.prompted(texts, prompt)
         if self._wordpiece is not None:
@@ -344,9 +345,9 @@ class Embedder:
         return [e.ids for e in encodings], sum(1 for e in encodings if e.overflowing)
 
     def _encode_fast_first(
-        self, texts: list[str], fast: wordpiece.FastWordPiece
+        self, texts: list[str], fast: FastWordPiece
     ) -> tuple[list[list[int]], int]:
-        ids, truncated, others = wordpiece.encode_taken(fast, texts)
+        ids, truncated, others = batches.encode_taken(fast, texts)
         return ids, truncated + self._encode_others(texts, ids, others)
 
     def _encode_others(self, texts: list[str], ids: list[Any], others: list[int]) -> int:

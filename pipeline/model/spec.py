@@ -2,7 +2,7 @@
 
 `ModelSpec.read` resolves the model (the default package, the multilingual one, a
 folder or a hub id), reads its sentence-transformers module stack
-(pipeline.model.stack), resolves its tokenizer (pipeline.model.tokenizer), its
+(pipeline.model.stack), resolves its tokenizer (pipeline.model.tokenize.resolve), its
 maximum length and prompts, and hashes what decides its vectors into one
 identity. No weights are loaded or converted to torch: a worker compares the
 identity with its output's before the model loads, so a wrong `--model` is
@@ -23,8 +23,8 @@ from typing import Any
 from pipeline.core.errors import ConfigError, ModelError
 from pipeline.core.model_info import ModelInfo
 from pipeline.model import prompts as model_prompts
-from pipeline.model import tokenizer as tokenizers
 from pipeline.model.stack import Dense, LayerNorm, ModuleStack, read_stack
+from pipeline.model.tokenize import resolve as tokenizers
 
 log = logging.getLogger(__name__)
 
