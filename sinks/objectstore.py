@@ -11,9 +11,8 @@ key below is relative to it, as paths are relative to a local `--output` directo
   ConditionalRequestConflict, which says nothing about who won: that one is retried
   until the store answers 200 or 412. SeaweedFS and MinIO answer 412.
 - `put`, `get`, `exists`, `delete`, `list(prefix, page_size=...)`.
-- `open_input(key)` and `pyarrow_filesystem()` / `pyarrow_path(key)`: the same
-  objects for pyarrow (`pq.read_table`, `pyarrow.dataset`), same endpoint and
-  credentials.
+- `get_range(key, start, end)` and `open_ranged(key)`: a file-like reader that
+  fetches ranges, for pyarrow to read a footer or a column without the rest.
 - `check()` (bucket reachable and listable) and `verify_conditional_put()` (the
   store really refuses a second create: one that ignores `If-None-Match` would
   let two writers both "win").
@@ -37,35 +36,28 @@ A missing key is `FileNotFoundError` (as for a local file).
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import io
 import os
 import random
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from pipeline.core.errors import ConfigError, OutputError
+from sinks.object_io import Body, Data, RangedObject
 
 if TYPE_CHECKING:
-    import pyarrow
-    import pyarrow.fs
+    pass
 
 ENDPOINT_ENV_VARS = ("PIPELINE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 DEFAULT_REGION = "us-east-1"
 
 # Bytes, or a file: a path (pathlib.Path or any os.PathLike; a plain str is refused
 # as ambiguous) or a binary file object, read from its current position.
-Data = Union[bytes, bytearray, memoryview, "os.PathLike[str]", IO[bytes]]
 
 # A single PUT carries at most 5 GiB on AWS; segments are far smaller.
-_MAX_SINGLE_PUT = 5 * 1024**3
-_CHUNK = 1024 * 1024
 _ACCESS_CODES = frozenset(
     {
         "AccessDenied",
@@ -219,7 +211,6 @@ class ObjectStore:
         except ValueError as exc:  # botocore: an endpoint URL it cannot use
             raise ConfigError(f"invalid S3 endpoint {self.endpoint!r}: {_one_line(exc)}") from exc
         self._bucket_checked = False
-        self._pyarrow_fs: pyarrow.fs.S3FileSystem | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -258,7 +249,7 @@ class ObjectStore:
 
         full = self.full_key(key)
         delay = 0.05
-        with _Body(data) as body:
+        with Body(data) as body:
             for attempt in range(self.conflict_retries + 1):
                 try:
                     self._client.put_object(
@@ -299,7 +290,7 @@ class ObjectStore:
         """Writes `key` (replacing any object there)."""
         full = self.full_key(key)
         try:
-            with _Body(data) as body:
+            with Body(data) as body:
                 self._client.put_object(
                     Bucket=self.bucket,
                     Key=full,
@@ -457,61 +448,6 @@ class ObjectStore:
 
     # -- pyarrow --------------------------------------------------------------
 
-    def pyarrow_filesystem(self) -> pyarrow.fs.S3FileSystem:
-        """A pyarrow S3FileSystem on the same endpoint, region and credentials (one per
-        store, made on first use). Paths on it are `bucket/key`: see pyarrow_path."""
-        with self._lock:
-            if self._pyarrow_fs is None:
-                self._pyarrow_fs = self._make_pyarrow_fs()
-            return self._pyarrow_fs
-
-    def pyarrow_path(self, key: str = "") -> str:
-        """`bucket/prefix/key` for pyarrow; with no key, the prefix itself (a dataset's
-        root: `pyarrow.dataset.dataset(store.pyarrow_path("vectors"), filesystem=...)`)."""
-        if not key:
-            return f"{self.bucket}/{self.prefix}".rstrip("/")
-        return f"{self.bucket}/{self.prefix}{key}".rstrip("/")
-
-    def open_input(self, key: str) -> pyarrow.NativeFile:
-        """A seekable pyarrow file on the object (ranged reads: a Parquet footer is read
-        without the rest); FileNotFoundError when there is none."""
-        full = self.full_key(key)
-        try:
-            return self.pyarrow_filesystem().open_input_file(f"{self.bucket}/{full}")
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
-        except OSError as exc:
-            raise OutputError(
-                f"cannot read {self._s3(full)} at {self._where()}: {_one_line(exc)}"
-            ) from exc
-
-    def _make_pyarrow_fs(self) -> pyarrow.fs.S3FileSystem:
-        from pyarrow import fs
-
-        kwargs: dict[str, Any] = {
-            "region": self.region,
-            "connect_timeout": self.connect_timeout,
-            "request_timeout": self.read_timeout,
-            "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=self.max_attempts),
-        }
-        credentials = self._session.get_credentials()
-        if credentials is not None:
-            frozen = credentials.get_frozen_credentials()
-            kwargs.update(access_key=frozen.access_key, secret_key=frozen.secret_key)
-            if frozen.token:
-                kwargs["session_token"] = frozen.token
-        if self.endpoint:
-            parts = urlsplit(self.endpoint)
-            kwargs.update(endpoint_override=parts.netloc + parts.path, scheme=parts.scheme)
-        try:
-            return fs.S3FileSystem(**kwargs)
-        except (OSError, ValueError) as exc:
-            raise OutputError(
-                f"pyarrow cannot open the object store at {self._where()}: {_one_line(exc)}"
-            ) from exc
-
-    # -- errors ---------------------------------------------------------------
-
     def _where(self) -> str:
         return self.endpoint or f"AWS S3 ({self.region})"
 
@@ -580,53 +516,6 @@ def _is_range_not_satisfiable(exc: BaseException) -> bool:
     return str(exc.response.get("Error", {}).get("Code", "")) in ("InvalidRange", "416")
 
 
-class RangedObject(io.RawIOBase):
-    """See ObjectStore.open_ranged; reads past the fetched tail are ranged GETs."""
-
-    def __init__(self, store: ObjectStore, key: str, tail: int) -> None:
-        super().__init__()
-        self._store = store
-        self._key = key
-        data, self._size = store.get_range(key, -tail)
-        self._tail_start = self._size - len(data)
-        self._tail = data
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def read(self, size: int = -1) -> bytes:
-        start = self._position
-        end = self._size if size is None or size < 0 else min(self._size, start + size)
-        if start >= end:
-            return b""
-        if start >= self._tail_start:
-            data = self._tail[start - self._tail_start : end - self._tail_start]
-        else:
-            data, _ = self._store.get_range(self._key, start, end - 1)
-        self._position = start + len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def size(self) -> int:
-        return self._size
-
-
 def _is_not_found(exc: BaseException) -> bool:
     from botocore.exceptions import ClientError
 
@@ -634,57 +523,3 @@ def _is_not_found(exc: BaseException) -> bool:
         return False
     code = str(exc.response.get("Error", {}).get("Code", ""))
     return code in ("NoSuchKey", "404", "NotFound")
-
-
-class _Body:
-    """A PUT's body: its bytes or file, size and Content-MD5, from bytes, a path or a
-    seekable binary file (from its current position); `rewind()` before each attempt."""
-
-    def __init__(self, data: Data) -> None:
-        self._data = data
-        self._owned: IO[bytes] | None = None
-        self._bytes: bytes | None = None
-        self._stream: IO[bytes] | None = None
-        self._start = 0
-        self.size = 0
-        self.md5 = ""
-
-    def __enter__(self) -> _Body:
-        data = self._data
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            self._bytes = data if isinstance(data, bytes) else bytes(data)
-            self.size = len(self._bytes)
-            self.md5 = base64.b64encode(hashlib.md5(self._bytes).digest()).decode()
-            return self
-        if isinstance(data, str):
-            raise TypeError("pass bytes, a pathlib.Path or a binary file, not a str")
-        if isinstance(data, os.PathLike):
-            self._owned = self._stream = open(Path(data), "rb")  # closed in __exit__
-        elif hasattr(data, "read") and hasattr(data, "seek"):
-            self._stream = data
-        else:
-            raise TypeError(f"cannot upload a {type(data).__name__}")
-        stream = self._stream
-        self._start = stream.tell()
-        digest = hashlib.md5()
-        while chunk := stream.read(_CHUNK):
-            if isinstance(chunk, str):
-                raise TypeError("the file must be opened in binary mode")
-            digest.update(chunk)
-        self.size = stream.tell() - self._start
-        if self.size > _MAX_SINGLE_PUT:
-            raise OutputError(f"an object of {self.size} bytes is over the 5 GiB of one S3 PUT")
-        self.md5 = base64.b64encode(digest.digest()).decode()
-        return self
-
-    def rewind(self) -> bytes | IO[bytes]:
-        """The body for one attempt (a file is sought back to where it started)."""
-        if self._bytes is not None:
-            return self._bytes
-        assert self._stream is not None
-        self._stream.seek(self._start)
-        return self._stream
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._owned is not None:
-            self._owned.close()
