@@ -43,19 +43,27 @@ import argparse
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+from harness import broker, worker
+from harness.baselines import (
+    WARMUP_TEXTS,
+    NaiveModel,
+    bench_naive,
+    bench_sentence_transformers,
+)
+from harness.broker import HarnessError
+from harness.corpora import paragraphs as make_texts
+from harness.numbers import Padding, Rate, load_note, median_by
+from harness.quality import Quality, quality
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
 from pipeline.core.errors import PipelineError
@@ -64,68 +72,13 @@ from pipeline.model.embedder import Embedder, pick_device
 from pipeline.model.precision import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_RECALL,
-    cosine_rows,
-    neighbour_recall,
     resolve_precision,
 )
-from pipeline.model.spec import ModelSpec, resolve_model_path
+from pipeline.model.spec import resolve_model_path
 
 T = TypeVar("T")
-NAIVE_BATCH = 32
-ST_BATCH = 32
-WARMUP_TEXTS = 32
-NAIVE_IDLE_TIMEOUT_S = 120.0
 RATIO_TARGETS = {"d/a": 0.90, "d/b": 2.0, "d/c": 4.0}
 PADDING_TARGET = 0.90
-_DONE_RE = re.compile(
-    r"done: (?P<records>\d+) records .*? in (?P<batches>\d+) batches, "
-    r"(?P<seconds>[\d.]+) ?s, (?P<rate>[\d,.]+) records/s"
-)
-
-
-@dataclass(frozen=True)
-class Rate:
-    """One variant's throughput; key is a, b, c, d_steady or d_wall."""
-
-    key: str
-    name: str
-    texts: int
-    seconds: float
-    per_s: float
-
-    @classmethod
-    def timed(cls, key: str, name: str, texts: int, seconds: float) -> Rate:
-        return cls(key, name, texts, seconds, texts / seconds if seconds > 0 else 0.0)
-
-
-@dataclass(frozen=True)
-class Padding:
-    label: str
-    real_tokens: int
-    computed_tokens: int
-    target: float | None = None
-
-    @property
-    def efficiency(self) -> float:
-        return self.real_tokens / self.computed_tokens if self.computed_tokens else 1.0
-
-
-@dataclass(frozen=True)
-class Quality:
-    rows: int
-    expected: int
-    distinct_ids: int
-    cosine_mean: float
-    cosine_min: float
-    recall_at_10: float
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.rows == self.expected == self.distinct_ids
-            and self.cosine_mean >= DEFAULT_MIN_COSINE
-            and self.recall_at_10 >= DEFAULT_MIN_RECALL
-        )
 
 
 @dataclass
@@ -160,8 +113,7 @@ class Results:
         }
 
 
-class BenchError(RuntimeError):
-    pass
+BenchError = HarnessError
 
 
 def _div(a: float, b: float) -> float:
@@ -224,19 +176,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_texts(n: int) -> list[str]:
-    """n real paragraphs; past what the corpus holds, repeats with a suffix."""
-    from pipeline.core.corpus import sample_texts
-
-    base = sample_texts(n)
-    texts = list(base[:n])
-    rounds = 1
-    while len(texts) < n:
-        texts += [f"{t} ({rounds})" for t in base[: n - len(texts)]]
-        rounds += 1
-    return texts
-
-
 def make_ids(n: int) -> list[str]:
     return [f"bench-{i:06d}" for i in range(n)]
 
@@ -247,14 +186,6 @@ def quiet_libraries() -> None:
 
     hf_logging.disable_progress_bar()
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # failures surface as errors
-
-
-def load_note() -> str:
-    """A warning when other work shares the CPUs: thread pools then stall on each other."""
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load < 0.5 * cores:
-        return ""
-    return f"load average {load:.1f} on {cores} cores: other work shares the CPUs"
 
 
 def describe_hardware(device: str) -> str:
@@ -277,65 +208,6 @@ def resolve(args: argparse.Namespace) -> tuple[str, str]:
 
 
 # -- Kafka ----------------------------------------------------------------------------
-
-
-def create_topic(kafka: KafkaSettings, partitions: int) -> str:
-    from pipeline.kafka import cluster
-
-    topic = f"bench-{uuid.uuid4().hex[:10]}"
-    with cluster.admin_client(kafka) as admin:
-        cluster.create_topic(admin, kafka, topic, partitions)
-    return topic
-
-
-def publish(
-    kafka: KafkaSettings, topic: str, ids: list[str], texts: list[str], partitions: int
-) -> None:
-    """Publishes {"id", "text"} JSON records round-robin over the partitions, acked by all."""
-    from kafka import KafkaProducer
-
-    producer = KafkaProducer(acks="all", linger_ms=20, **kafka.client_kwargs())
-    try:
-        futures = [
-            producer.send(
-                topic,
-                value=json.dumps({"id": i, "text": t}, ensure_ascii=False).encode(),
-                partition=n % partitions,
-            )
-            for n, (i, t) in enumerate(zip(ids, texts, strict=True))
-        ]
-        producer.flush(timeout=120)
-        for future in futures:
-            future.get(timeout=30)
-    finally:
-        producer.close(timeout=30)
-    check_published(kafka, topic, len(ids))
-
-
-def check_published(kafka: KafkaSettings, topic: str, expected: int) -> None:
-    from pipeline.kafka import cluster
-
-    with cluster.admin_client(kafka) as admin:
-        partitions = cluster.partitions_of(admin, kafka, [topic])
-    with cluster.offsets_consumer(kafka) as consumer:
-        total = sum(cluster.end_offsets(consumer, kafka, partitions).values())
-    if total != expected:
-        raise BenchError(f"topic {topic} holds {total} records after publishing {expected}")
-
-
-def delete_kafka_state(kafka: KafkaSettings, topics: list[str], groups: list[str]) -> None:
-    """Best effort: the benchmark's topics and groups go, whatever failed before."""
-    from pipeline.kafka import cluster
-
-    try:
-        with cluster.admin_client(kafka) as admin:
-            existing = set(admin.list_topics())
-            doomed = [t for t in topics if t in existing]
-            if doomed:
-                admin.delete_topics(doomed)
-            admin.delete_groups(groups)
-    except Exception as exc:  # cleaning up must not hide the results
-        say(f"cleanup of topics {topics} / groups {groups} failed: {exc}")
 
 
 # -- (a) raw model and (b) sentence-transformers ---------------------------------------
@@ -392,133 +264,6 @@ def raw_only(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_sentence_transformers(
-    model_dir: Path, device: str, texts: list[str]
-) -> tuple[Rate, np.ndarray]:
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(model_dir), device=device)
-    model.encode(texts[:WARMUP_TEXTS], batch_size=ST_BATCH, show_progress_bar=False)
-    started = time.perf_counter()
-    vectors = model.encode(texts, batch_size=ST_BATCH, show_progress_bar=False)
-    seconds = time.perf_counter() - started
-    name = f"(b) sentence-transformers encode(batch_size={ST_BATCH}), fp32"
-    return Rate.timed("b", name, len(texts), seconds), np.asarray(vectors, dtype=np.float32)
-
-
-# -- (c) the naive consumer ----------------------------------------------------------
-
-
-class NaiveModel:
-    """What a user writes from the model card: fp32, pad per batch, mean pool, L2."""
-
-    def __init__(self, model_dir: Path, device: str) -> None:
-        from transformers import AutoModel, AutoTokenizer
-
-        self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModel.from_pretrained(str(model_dir)).to(device).eval()
-        self.max_length = ModelSpec.read(str(model_dir)).max_length
-        self.real_tokens = 0
-        self.computed_tokens = 0
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        import torch
-
-        batch = self.tokenizer(
-            texts,
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-        ).to(self.device)
-        mask = batch["attention_mask"]
-        self.real_tokens += int(mask.sum())
-        self.computed_tokens += mask.numel()
-        with torch.no_grad():
-            hidden = self.model(**batch).last_hidden_state
-            weights = mask.unsqueeze(-1).float()
-            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.cpu().numpy()
-
-
-def write_naive_parquet(path: Path, ids: list[str], texts: list[str], vectors: np.ndarray) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    flat = pa.array(vectors.astype(np.float32, copy=False).ravel())
-    table = pa.table(
-        {
-            "id": pa.array(ids, pa.string()),
-            "text": pa.array(texts, pa.string()),
-            "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1]),
-        }
-    )
-    pq.write_table(table, path)
-
-
-def bench_naive(
-    kafka: KafkaSettings,
-    topic: str,
-    group: str,
-    naive: NaiveModel,
-    expected: int,
-    output: Path,
-    warmup: list[str],
-) -> tuple[Rate, Padding]:
-    from kafka import KafkaConsumer
-
-    naive.embed(warmup)
-    naive.real_tokens = naive.computed_tokens = 0
-    output.mkdir(parents=True)
-    started = time.perf_counter()
-    consumer = KafkaConsumer(
-        topic,
-        group_id=group,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        max_poll_records=NAIVE_BATCH,
-        **kafka.client_kwargs(),
-    )
-    try:
-        consumed = _naive_loop(consumer, naive, expected, output)
-    finally:
-        consumer.close(autocommit=False)
-    seconds = time.perf_counter() - started
-    name = f"(c) naive consumer: polls of {NAIVE_BATCH}, arrival order, fp32, Parquet+commit"
-    padding = Padding(
-        f"(c) arrival order, polled batches of {NAIVE_BATCH} (measured)",
-        naive.real_tokens,
-        naive.computed_tokens,
-    )
-    return Rate.timed("c", name, consumed, seconds), padding
-
-
-def _naive_loop(consumer: Any, naive: NaiveModel, expected: int, output: Path) -> int:
-    consumed, batch_no, last_data = 0, 0, time.monotonic()
-    while consumed < expected:
-        polled = consumer.poll(timeout_ms=1000)
-        records = [r for batch in polled.values() for r in batch]
-        if not records:
-            if time.monotonic() - last_data > NAIVE_IDLE_TIMEOUT_S:
-                raise BenchError(f"(c) got nothing for {NAIVE_IDLE_TIMEOUT_S:.0f}s at {consumed}")
-            continue
-        last_data = time.monotonic()
-        values = [json.loads(r.value) for r in records]
-        texts = [v["text"] for v in values]
-        vectors = naive.embed(texts)
-        path = output / f"batch-{batch_no:06d}.parquet"
-        write_naive_parquet(path, [v["id"] for v in values], texts, vectors)
-        consumer.commit()
-        consumed += len(records)
-        batch_no += 1
-    return consumed
-
-
-# -- (d) pipeline run ----------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PipelineRun:
     wall: Rate
@@ -527,64 +272,29 @@ class PipelineRun:
     done_line: str
 
 
-def median_by(items: list[T], rate: Callable[[T], float]) -> T:
-    """The item with the median rate (the lower middle one of an even count)."""
-    return sorted(items, key=rate)[(len(items) - 1) // 2]
-
-
-def pipeline_command(
-    args: argparse.Namespace, topic: str, group: str, output: Path, device: str, precision: str
-) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "--bootstrap-servers",
-        args.bootstrap_servers,
-        "run",
-        "--topic",
-        topic,
-        "--group",
-        group,
-        "--output",
-        str(output),
-        "--until-end",
-        "--batch-size",
-        str(args.batch_size),
-        "--precision",
-        precision,
-        "--device",
-        device,
-        "--model",
-        args.model,
-        "--no-progress",
-    ]
-
-
 def bench_pipeline(
-    command: list[str], expected: int, timeout_s: float, log_path: Path
+    args: argparse.Namespace, setup: dict[str, Any], group: str, output: Path, log_path: Path
 ) -> PipelineRun:
     """Runs (d) with its stderr in log_path (kept with --keep); times start to exit."""
-    # An explicit environment: a fork of this process must not hand its tokenizer
-    # state (TOKENIZERS_PARALLELISM=false after a fork) to the worker.
-    env = dict(os.environ)
-    with log_path.open("w") as log_file:
-        started = time.perf_counter()
-        try:
-            returncode = subprocess.run(
-                command, stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
-            ).returncode
-        except subprocess.TimeoutExpired:
-            raise BenchError(
-                f"(d) `pipeline run` still running after {timeout_s:.0f}s (killed):\n"
-                + tail_of(log_path)
-            ) from None
-        wall = time.perf_counter() - started
-    if returncode != 0:
-        raise BenchError(f"(d) `pipeline run` exited {returncode}:\n{tail_of(log_path)}")
-    line, records, batches, seconds, rate = parse_done_line(log_path.read_text())
-    if records != expected:
-        raise BenchError(f"(d) processed {records} records, expected {expected}: {line}")
+    flags = ["--batch-size", str(args.batch_size), "--precision", setup["precision"]]
+    flags += ["--device", setup["device"], "--model", args.model]
+    kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers)
+    argv = worker.command(kafka, setup["topic"], group, output, *flags)
+    outcome = worker.run(argv, timeout_s=args.timeout, log=log_path)
+    if outcome.done is None:
+        raise BenchError(
+            f"(d) `pipeline run` exited {outcome.returncode}:\n{outcome.stderr[-3000:]}"
+        )
+    done, wall = outcome.done, outcome.seconds
+    line, records, batches, seconds, rate = (
+        done.line,
+        done.records,
+        done.batches,
+        done.seconds,
+        done.rate,
+    )
+    if records != setup["records"]:
+        raise BenchError(f"(d) processed {records} records: {line}")
     return PipelineRun(
         wall=Rate.timed(
             "d_wall", "(d) pipeline run --until-end: process start to exit", records, wall
@@ -599,25 +309,6 @@ def bench_pipeline(
         batches=batches,
         done_line=line,
     )
-
-
-def tail_of(path: Path, lines: int = 20) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def parse_done_line(stderr: str) -> tuple[str, int, int, float, float]:
-    """(line, records, batches, seconds, records/s) from the worker's last `done:` line."""
-    lines = [ln for ln in stderr.splitlines() if "done: " in ln]
-    match = _DONE_RE.search(lines[-1]) if lines else None
-    if match is None:
-        tail = "\n".join(stderr.splitlines()[-20:])
-        raise BenchError(f"(d) printed no parsable `done:` line; stderr ends with:\n{tail}")
-    records, seconds = int(match["records"]), float(match["seconds"])
-    rate = float(match["rate"].replace(",", ""))
-    # R is printed to whole records/s and S to 0.1 s: take the finer of R and N/S.
-    if seconds > 0 and (rate <= 0 or 0.05 / seconds < 0.5 / rate):
-        rate = records / seconds
-    return lines[-1].strip(), records, int(match["batches"]), seconds, rate
 
 
 # -- padding and quality --------------------------------------------------------------
@@ -645,49 +336,6 @@ def policy_padding(embedder: Embedder, lengths: np.ndarray, batch_size: int) -> 
         f"(d) policy: per micro-batch of {batch_size}, publish order", real, computed
     )
     return [whole, per_batch]
-
-
-def read_vectors(output: Path) -> tuple[list[str], np.ndarray]:
-    """Ids and embeddings of every published Parquet file of a pipeline output dir."""
-    import pyarrow.parquet as pq
-
-    from pipeline.core.layout import iter_segments
-
-    ids: list[str] = []
-    blocks: list[np.ndarray] = []
-    for segment in iter_segments(output):
-        table = pq.read_table(segment.path, columns=["id", "embedding"])
-        if table.num_rows == 0:
-            continue
-        column = table.column("embedding").combine_chunks()
-        dim = column.type.list_size
-        blocks.append(column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim))
-        ids += table.column("id").to_pylist()
-    if not blocks:
-        raise BenchError(f"(d) wrote no vectors under {output}")
-    return ids, np.concatenate(blocks).astype(np.float32, copy=False)
-
-
-def quality(output: Path, ids: list[str], reference: np.ndarray) -> Quality:
-    """(d)'s stored vectors against fp32 ones, rows matched by id."""
-    stored_ids, stored = read_vectors(output)
-    position = {record_id: n for n, record_id in enumerate(ids)}
-    unknown = [i for i in stored_ids if i not in position]
-    if unknown:
-        raise BenchError(f"(d) stored {len(unknown)} ids that were not published: {unknown[:3]}")
-    rows = np.fromiter((position[i] for i in stored_ids), dtype=np.int64, count=len(stored_ids))
-    # Compare each published record once (duplicates, if any, show in distinct_ids).
-    first = np.unique(rows, return_index=True)[1]
-    ref, cand = reference[rows[first]], stored[first]
-    cosine = cosine_rows(ref, cand)
-    return Quality(
-        rows=len(stored_ids),
-        expected=len(ids),
-        distinct_ids=len(first),
-        cosine_mean=float(cosine.mean()),
-        cosine_min=float(cosine.min()),
-        recall_at_10=neighbour_recall(ref, cand),
-    )
 
 
 # -- the report -----------------------------------------------------------------------
@@ -790,16 +438,17 @@ def run_all(args: argparse.Namespace, workdir: Path, kafka: KafkaSettings) -> Re
     setup["load_before"] = setup_note
     results = Results(setup)
 
-    topic = create_topic(kafka, args.partitions)
+    topic = broker.new_topic(kafka, args.partitions)
     groups = [f"{topic}-naive", *(f"{topic}-pipeline-{n}" for n in range(args.repeat))]
     setup |= {"topic": topic, "groups": groups, "workdir": str(workdir)}
     try:
         say(f"publishing {len(texts)} records to {topic} ({args.partitions} partitions)")
-        publish(kafka, topic, ids, texts, args.partitions)
+        records = ({"id": i, "text": t} for i, t in zip(ids, texts, strict=True))
+        broker.publish(kafka, topic, records, args.partitions)
         measure(args, results, embedder, texts, ids, model_dir, kafka, workdir)
     finally:
         if not args.keep:
-            delete_kafka_state(kafka, [topic, f"{topic}.dlq"], groups)
+            broker.delete(kafka, [topic, f"{topic}.dlq"], groups)
     return results
 
 
@@ -840,8 +489,7 @@ def measure(
         rates_a.append(bench_raw_in_fresh_process(args, setup["precision"], setup["device"]))
         say(f"(d) pipeline run --until-end{round_note}")
         output = workdir / f"pipeline-{n}"
-        command = pipeline_command(args, topic, group, output, setup["device"], setup["precision"])
-        runs.append(bench_pipeline(command, len(texts), args.timeout, workdir / f"run-{n}.log"))
+        runs.append(bench_pipeline(args, setup, group, output, workdir / f"run-{n}.log"))
     run = median_by(runs, lambda r: r.steady.per_s)
     setup["done_line"] = run.done_line
     setup["rounds"] = {
@@ -865,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
     try:
         results = run_all(args, workdir, kafka)
-    except (BenchError, PipelineError) as exc:
+    except (HarnessError, PipelineError) as exc:
         say(f"failed: {exc}")
         return 1
     finally:

@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,7 +44,10 @@ import numpy as np
 import pyarrow.dataset as ds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # scripts/bench.py: topics, publishing, the done: line
+from harness import broker, worker
+from harness.broker import HarnessError
+from harness.corpora import paragraphs
+from harness.numbers import load_note
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings
 
@@ -95,11 +97,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def say(message: str) -> None:
+    print(f"cache_bench: {message}", file=sys.stderr, flush=True)
+
+
 def corpus(n: int, share: float, seed: int = 7) -> tuple[list[str], int]:
     """n texts of which round(share * n) repeat an earlier one exactly; (texts, repeats)."""
     rng = np.random.default_rng(seed)
     repeats = round(share * n)
-    distinct = bench.make_texts(n - repeats)
+    distinct = paragraphs(n - repeats)
     repeat_at = set(rng.choice(np.arange(1, n), size=repeats, replace=False).tolist())
     texts: list[str] = []
     seen = 0
@@ -117,23 +123,22 @@ def run_worker(
 ) -> Run:
     group = f"cache-bench-{variant}-{uuid.uuid4().hex[:8]}"
     output = workdir / group
-    command = bench.pipeline_command(args, topic, group, output, args.device, args.precision)
-    command += ["--cache", cache]
-    log_path = workdir / f"{group}.log"
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    with log_path.open("w") as log_file:
-        started = time.perf_counter()
-        code = subprocess.run(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=args.timeout
-        ).returncode
-        wall = time.perf_counter() - started
-    text = log_path.read_text()
-    if code != 0:
-        tail = bench.tail_of(log_path)
-        raise bench.BenchError(f"{variant}: `pipeline run` exited {code}:\n{tail}")
-    line, records, _batches, _seconds, rate = bench.parse_done_line(text)
+    kafka = KafkaSettings(bootstrap_servers=args.bootstrap_servers)
+    flags = ["--batch-size", str(args.batch_size), "--precision", args.precision]
+    flags += ["--device", args.device, "--model", args.model, "--cache", cache]
+    argv = worker.command(kafka, topic, group, output, *flags)
+    outcome = worker.run(argv, timeout_s=args.timeout, log=workdir / f"{group}.log")
+    if outcome.done is None:
+        tail = outcome.stderr[-3000:]
+        raise HarnessError(f"{variant}: `pipeline run` exited {outcome.returncode}:\n{tail}")
+    line, records, rate, wall = (
+        outcome.done.line,
+        outcome.done.records,
+        outcome.done.rate,
+        outcome.seconds,
+    )
     if records != args.records:
-        raise bench.BenchError(f"{variant}: {records} records, expected {args.records}: {line}")
+        raise HarnessError(f"{variant}: {records} records, expected {args.records}: {line}")
     cached = _CACHE_RE.search(line)
     remote = _REDIS_RE.search(line)
     hits = int(cached["hits"]) if cached else None
@@ -150,7 +155,7 @@ def run_worker(
         done_line=line,
     )
     hit = f", {run.hit_rate:.1%} from the cache" if run.hit_rate is not None else ""
-    bench.say(f"  {variant:<12} {rate:8.1f} records/s (steady), {wall:6.1f}s wall{hit}")
+    say(f"  {variant:<12} {rate:8.1f} records/s (steady), {wall:6.1f}s wall{hit}")
     return run
 
 
@@ -177,16 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="cache-bench-"))
     texts, repeats = corpus(args.records, args.repeat_share)
     ids = [f"cache-bench-{i:06d}" for i in range(args.records)]
-    topic = bench.create_topic(kafka, args.partitions)
-    bench.say(
+    topic = broker.new_topic(kafka, args.partitions, prefix="cache-bench")
+    say(
         f"topic {topic}: {args.records} records, {repeats} repeating an earlier text "
         f"({repeats / args.records:.0%}); model {args.model} {args.precision}; "
-        f"batch size {args.batch_size}; {os.cpu_count()} CPUs {bench.load_note()}"
+        f"batch size {args.batch_size}; {os.cpu_count()} CPUs {load_note()}"
     )
-    bench.publish(kafka, topic, ids, texts, args.partitions)
+    records = ({"id": i, "text": t} for i, t in zip(ids, texts, strict=True))
+    broker.publish(kafka, topic, records, args.partitions)
     runs: list[Run] = []
     try:
-        bench.say("group 1: in-process LRU, alternating")
+        say("group 1: in-process LRU, alternating")
         for _ in range(args.rounds):
             runs.append(run_worker(args, topic, "off", "off", workdir))
             runs.append(run_worker(args, topic, "lru", "lru", workdir))
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             url = redis_url(args)
             client = redis.Redis.from_url(url)
             client.flushdb()
-            bench.say(f"group 2: shared Redis at {url} (flushed)")
+            say(f"group 2: shared Redis at {url} (flushed)")
             remote_runs.append(run_worker(args, topic, "redis-cold", url, workdir))
             remote_runs.append(run_worker(args, topic, "redis-warm", url, workdir))
             memory = client.info("memory")
@@ -206,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
         report = summarise(args, repeats, runs, remote_runs, redis_info, workdir)
     finally:
-        bench.delete_kafka_state(kafka, [topic], [r.group for r in runs])
+        broker.delete(kafka, [topic, f"{topic}.dlq"], [r.group for r in runs])
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
-            bench.say(f"outputs and logs kept in {workdir}")
+            say(f"outputs and logs kept in {workdir}")
     print(report["text"])
     if args.json:
         args.json.write_text(json.dumps({k: v for k, v in report.items() if k != "text"}, indent=2))
@@ -236,7 +242,7 @@ def summarise(
     for run in [lru[0], *remote_runs]:
         rows, matrix = vectors(workdir / run.group)
         if rows != rows_off:
-            raise bench.BenchError(f"{run.variant}: the rows differ from the cache-off run's")
+            raise HarnessError(f"{run.variant}: the rows differ from the cache-off run's")
         drift[run.variant] = float(np.abs(matrix - base).max())
     ideal = 1 / (1 - repeats / args.records)
     lines = [
@@ -296,6 +302,6 @@ def summarise(
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except bench.BenchError as exc:
+    except HarnessError as exc:
         print(f"cache_bench: {exc}", file=sys.stderr)
         sys.exit(1)

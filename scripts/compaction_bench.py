@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.core.layout import SegmentKey, iter_segments, vectors_dir  # noqa: E402
+from pipeline.core.model_info import ModelInfo  # noqa: E402
 from pipeline.core.records import GoodRecord, SourceRecord  # noqa: E402
-from pipeline.model.spec import ModelInfo  # noqa: E402
 from sinks.compaction import compact  # noqa: E402
 from sinks.parquet import ParquetSink  # noqa: E402
 

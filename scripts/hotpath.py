@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import re
-import resource
-import shlex
 import subprocess
 import sys
 import time
@@ -37,16 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def split_variant(extra: str) -> tuple[dict[str, str], list[str]]:
-    """A variant's leading NAME=value words (upper-case names) are environment
-    variables for the worker, the rest its extra flags: `MALLOC_ARENA_MAX=8 --replicas 1`."""
-    words = shlex.split(extra)
-    env: dict[str, str] = {}
-    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-        name, value = words.pop(0).split("=", 1)
-        env[name] = value
-    return env, words
+from harness.worker import Busy, own_peak_rss_mb  # noqa: E402
 
 
 def stream_texts(count: int) -> list[str]:
@@ -73,10 +60,6 @@ def rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- children: one variant each, in a fresh process --------------------------------
@@ -117,7 +100,7 @@ def child_shapes(spec: dict[str, Any]) -> dict[str, Any]:
         "distinct_shapes": len(shapes),
         "rss_after_first_batch_mb": after_first,
         "rss_end_mb": rss_mb(),
-        "rss_peak_mb": peak_rss_mb(),
+        "rss_peak_mb": own_peak_rss_mb(),
     }
 
 
@@ -166,31 +149,6 @@ def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent: variants side by side -----------------------------------------------
-
-
-def spin(stop_at: float) -> None:
-    while time.monotonic() < stop_at:
-        pass
-
-
-class Busy:
-    """`count` processes each keeping one core busy, for the length of a with-block."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.procs: list[multiprocessing.Process] = []
-
-    def __enter__(self) -> Busy:
-        for _ in range(self.count):
-            proc = multiprocessing.Process(target=spin, args=(time.monotonic() + 3600,))
-            proc.start()
-            self.procs.append(proc)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.join()
 
 
 def measure_shapes(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:

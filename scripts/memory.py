@@ -20,76 +20,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from hotpath import split_variant  # noqa: E402
+from harness import broker, worker  # noqa: E402
+from harness.worker import own_peak_rss_mb  # noqa: E402
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
 from pipeline.core.corpus import sample_texts  # noqa: E402
-from pipeline.kafka import cluster  # noqa: E402
-
-# Runs the worker and prints its exit code and peak RSS (kB): a process of its
-# own, so that ru_maxrss of its children is this worker's alone.
-_WRAPPER = (
-    "import json, resource, subprocess, sys\n"
-    "rc = subprocess.run(json.loads(sys.argv[1]), stdout=subprocess.DEVNULL,"
-    " stderr=open(sys.argv[2], 'w')).returncode\n"
-    "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-)
 
 
 def publish(kafka: KafkaSettings, count: int) -> str:
-    from kafka import KafkaProducer
-
-    topic = f"memory-{uuid.uuid4().hex[:10]}"
-    with cluster.admin_client(kafka) as admin:
-        cluster.create_topic(admin, kafka, topic, 3)
-    producer = KafkaProducer(linger_ms=50, batch_size=512 * 1024, **kafka.client_kwargs())
+    topic = broker.new_topic(kafka, 3, prefix="memory")
     # The same texts, in the same proportions, at every backlog: only its size differs.
     base = sample_texts(count)
-    for n in range(count):
-        text = base[n % len(base)]
-        producer.send(topic, json.dumps({"id": f"r{n}", "text": text}).encode(), partition=n % 3)
-    producer.flush(timeout=600)
-    producer.close(timeout=30)
+    values = ({"id": f"r{n}", "text": base[n % len(base)]} for n in range(count))
+    broker.publish(kafka, topic, values, 3, linger_ms=50, batch_size=512 * 1024)
     return topic
 
 
 def peak_rss_mb(kafka: KafkaSettings, topic: str, extra: str, args: argparse.Namespace) -> dict:
-    group = f"memory-{uuid.uuid4().hex[:8]}"
-    variant_env, flags = split_variant(extra)
-    output = Path(args.work) / group
-    command = [
-        sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
-        "run", "--topic", topic, "--group", group, "--output", str(output), "--until-end",
-        "--model", args.model, "--precision", args.precision, "--device", "cpu",
-        # The sample is cycled: the embedding cache would serve every repeat.
-        "--no-progress", "--cache", "off", *flags,
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **variant_env}
-    log = Path(args.work) / f"{group}.log"
-    began = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", _WRAPPER, json.dumps(command), str(log)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=7200,
+    # The sample is cycled: the embedding cache would serve every repeat.
+    flags = ["--model", args.model, "--precision", args.precision, "--device", "cpu"]
+    run = worker.run_until_end(
+        kafka, topic, Path(args.work), extra, *flags, "--cache", "off", timeout_s=7200
     )
-    rc, kb = done.stdout.split()
-    if rc != "0":
-        raise SystemExit(f"memory: worker failed (exit {rc}); see {log}")
-    return {"peak_rss_mb": int(kb) / 1024, "seconds": time.monotonic() - began}
+    return {"peak_rss_mb": run.peak_rss_mb, "seconds": run.seconds}
 
 
 def main() -> int:
@@ -125,9 +85,8 @@ def main() -> int:
                     f"({run['seconds']:.0f}s)",
                     flush=True,
                 )
-        with cluster.admin_client(kafka) as admin:
-            admin.delete_topics([topic])
-    print(f"memory: peak RSS by backlog, {args.precision}, own RSS {_own_mb():.0f} MB")
+        broker.delete(kafka, [topic], [])
+    print(f"memory: peak RSS by backlog, {args.precision}, own RSS {own_peak_rss_mb():.0f} MB")
     for name, _ in variants:
         peaks = {
             b: [r["peak_rss_mb"] for r in results if r["variant"] == name and r["backlog"] == b]
@@ -145,10 +104,6 @@ def _spread(peaks: list[float]) -> str:
     """The median peak, with the range where the backlog ran more than once."""
     median = f"{statistics.median(peaks):.0f} MB"
     return median if len(peaks) == 1 else f"{median} ({min(peaks):.0f}-{max(peaks):.0f})"
-
-
-def _own_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":

@@ -27,160 +27,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from hotpath import Busy, split_variant  # noqa: E402
+from harness import broker  # noqa: E402
+from harness.numbers import median, pct  # noqa: E402
+from harness.watchers import RssSampler, Visibility  # noqa: E402
+from harness.worker import Busy, start  # noqa: E402
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
 from pipeline.core.corpus import sample_texts  # noqa: E402
-from pipeline.kafka import cluster  # noqa: E402
 
 READY_TIMEOUT_S = 180
 
 
-W = TypeVar("W", bound="Watcher")
-
-
-class Watcher:
-    """Calls `_tick()` every `period` seconds on a thread, inside a with-block,
-    until the block ends or `_tick()` returns False."""
-
-    period = 1.0
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self: W) -> W:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.period) and self._tick() is not False:
-            pass
-
-    def _tick(self) -> bool | None:
-        raise NotImplementedError
-
-
-class Visibility(Watcher):
-    """Watches an output directory; records when each id first appears."""
-
-    period = 0.05
-
-    def __init__(self, output: Path) -> None:
-        super().__init__()
-        self.vectors = output / "vectors"
-        self.seen_at: dict[str, float] = {}
-        self._files: set[str] = set()
-
-    def _tick(self) -> None:
-        import pyarrow.parquet as pq
-
-        if not self.vectors.is_dir():
-            return
-        for path in self.vectors.glob("*.parquet"):
-            if path.name in self._files:
-                continue
-            now = time.time()
-            self._files.add(path.name)
-            for record_id in pq.read_table(path, columns=["id"]).column("id").to_pylist():
-                self.seen_at.setdefault(record_id, now)
-
-
-class RssSampler(Watcher):
-    """The worker's resident memory once a second (from /proc), for its growth:
-    all of it (VmRSS), and its anonymous part (RssAnon: heaps, arenas, tensors),
-    which, unlike pages of mapped libraries (RssFile), cannot be given back
-    without freeing. With `smaps_dir`, /proc/PID/smaps is copied there at the
-    seconds in `smaps_at`, to diff by mapping where the growth is."""
-
-    def __init__(
-        self, pid: int, smaps_dir: Path | None = None, smaps_at: tuple[int, ...] = ()
-    ) -> None:
-        super().__init__()
-        self.proc = Path(f"/proc/{pid}")
-        self.samples: list[int] = []  # MB
-        self.anon: list[int] = []  # MB
-        self.smaps_dir = smaps_dir
-        self.smaps_at = set(smaps_at)
-
-    def _tick(self) -> bool:
-        try:
-            status = (self.proc / "status").read_text()
-            if self.smaps_dir is not None and len(self.samples) in self.smaps_at:
-                smaps = (self.proc / "smaps").read_text()
-                (self.smaps_dir / f"smaps-{len(self.samples):05d}s.txt").write_text(smaps)
-        except OSError:
-            return False  # the worker has exited
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                self.samples.append(int(line.split()[1]) // 1024)
-            elif line.startswith("RssAnon:"):
-                self.anon.append(int(line.split()[1]) // 1024)
-        return True
-
-
-def start_worker(kafka: KafkaSettings, topic: str, output: Path, args: Any, extra: str) -> Any:
-    variant_env, flags = split_variant(extra)
-    command = [
-        sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
-        "run", "--topic", topic, "--group", f"nearline-{uuid.uuid4().hex[:8]}",
-        "--output", str(output), "--model", args.model, "--precision", args.precision,
-        # The sample is cycled on long runs: the embedding cache would serve the repeats.
-        "--device", "cpu", "--no-progress", "--cache", "off", *flags,
-    ]  # fmt: skip
-    log = open(output.parent / f"{output.name}.log", "w")  # noqa: SIM115
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **variant_env}
-    return subprocess.Popen(command, stdout=log, stderr=log, env=env)
-
-
-def produce(kafka: KafkaSettings, topic: str, records: list[tuple[str, str]], rate: float) -> dict:
-    from kafka import KafkaProducer
-
-    producer = KafkaProducer(linger_ms=0, acks=1, **kafka.client_kwargs())
-    sent: dict[str, float] = {}
-    began = time.monotonic()
-    for n, (record_id, text) in enumerate(records):
-        delay = began + n / rate - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        sent[record_id] = time.time()
-        producer.send(topic, json.dumps({"id": record_id, "text": text}).encode())
-    producer.flush(timeout=60)
-    producer.close(timeout=10)
-    return sent
-
-
 def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, work: Path) -> dict:
-    topic = f"nearline-{uuid.uuid4().hex[:10]}"
-    with cluster.admin_client(kafka) as admin:
-        cluster.create_topic(admin, kafka, topic, 2)
+    topic = broker.new_topic(kafka, 2, prefix="nearline")
     output = work / f"{name}-busy{busy}"
-    worker = start_worker(kafka, topic, output, args, extra)
+    # The sample is cycled on long runs: the embedding cache would serve the repeats.
+    flags = ["--model", args.model, "--precision", args.precision, "--device", "cpu"]
+    worker = start(kafka, topic, output, extra, *flags, "--cache", "off")
     try:
         texts = sample_texts(int(args.rate * args.seconds) + 20)
         with Visibility(output) as visible:
             # Warm-up: the worker has joined and embedded once before timing starts.
             warm = [(f"warm-{n}", texts[n]) for n in range(10)]
-            produce(kafka, topic, warm, rate=100)
+            produce(kafka, topic, warm, 100)
             deadline = time.monotonic() + READY_TIMEOUT_S
             while len(visible.seen_at) < len(warm):
                 if worker.poll() is not None or time.monotonic() > deadline:
@@ -210,8 +88,8 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
         "busy": busy,
         "records": len(sent),
         "not_visible": missing,
-        "p50_s": _pct(latencies, 50),
-        "p99_s": _pct(latencies, 99),
+        "p50_s": pct(latencies, 50),
+        "p99_s": pct(latencies, 99),
         "max_s": latencies[-1] if latencies else None,
         # Resident memory over the timed part: first sample, last, highest.
         "rss_first_mb": rss.samples[0] if rss.samples else None,
@@ -221,27 +99,21 @@ def one_run(kafka: KafkaSettings, args: Any, name: str, extra: str, busy: int, w
         "anon_last_mb": rss.anon[-1] if rss.anon else None,
         # Medians of the first and the last minute: the heap's saw-tooth (tens of MB
         # as batches come and go) makes any one sample a poor end point.
-        "rss_first_minute_mb": _median(rss.samples[:60]),
-        "rss_last_minute_mb": _median(rss.samples[-60:]),
+        "rss_first_minute_mb": median(rss.samples[:60]),
+        "rss_last_minute_mb": median(rss.samples[-60:]),
         # One sample a minute, to tell steady growth from a saw-tooth (JSON only).
         "rss_per_minute_mb": rss.samples[::60],
         "anon_per_minute_mb": rss.anon[::60],
     }
-    with cluster.admin_client(kafka) as admin:
-        admin.delete_topics([topic])
+    broker.delete(kafka, [topic, f"{topic}.dlq"], [])
     return result
 
 
-def _median(values: list[int]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _pct(values: list[float], pct: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(pct) - 1]
+def produce(kafka: KafkaSettings, topic: str, records: list[tuple[str, str]], rate: float) -> dict:
+    """Publishes (id, text) records at `rate` a second; returns when each was sent."""
+    values = [{"id": record_id, "text": text} for record_id, text in records]
+    sent_at = broker.publish(kafka, topic, values, 2, rate=rate, check=False, acks=1)
+    return {record_id: at for (record_id, _), at in zip(records, sent_at, strict=True)}
 
 
 def main() -> int:

@@ -34,52 +34,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from hotpath import split_variant  # noqa: E402
+from harness import broker, worker  # noqa: E402
+from harness.corpora import CORPORA  # noqa: E402
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
-from pipeline.kafka import cluster  # noqa: E402
-
-_DONE = re.compile(r"done: (?P<records>\d+) records .*?, (?P<rate>[\d,.]+) records/s")
-_FIRST = re.compile(r"first record polled (?P<s>[\d.]+)s after process start")
 
 
 def publish(kafka: KafkaSettings, records: int, partitions: int, corpus: str = "english") -> str:
-    from kafka import KafkaProducer
-    from tokenize_bench import CORPORA
-
     texts = CORPORA[corpus](records) if corpus in CORPORA else None
     if not texts:
         raise SystemExit(
             f"overhead: no {corpus} text on this machine (see scripts/tokenize_bench.py)"
         )
-    topic = f"overhead-{uuid.uuid4().hex[:10]}"
-    with cluster.admin_client(kafka) as admin:
-        cluster.create_topic(admin, kafka, topic, partitions)
-    producer = KafkaProducer(
-        acks="all", linger_ms=20, batch_size=256 * 1024, **kafka.client_kwargs()
-    )
-    for n in range(records):
-        value = {"id": f"r{n}", "text": texts[n % len(texts)][:300]}
-        value_bytes = json.dumps(value, ensure_ascii=False).encode()
-        producer.send(topic, value_bytes, partition=n % partitions)
-    producer.flush(timeout=300)
-    producer.close(timeout=30)
+    topic = broker.new_topic(kafka, partitions, prefix="overhead")
+    values = ({"id": f"r{n}", "text": texts[n % len(texts)][:300]} for n in range(records))
+    broker.publish(kafka, topic, values, partitions, batch_size=256 * 1024)
     return topic
 
 
@@ -113,72 +93,20 @@ def bare(kafka: KafkaSettings, topic: str, records: int) -> dict[str, float]:
     return {"rate": seen / elapsed, "cpu_us": cpu / seen * 1e6}
 
 
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def tree_cpu_s(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) of a process itself, and of its descendants: the
-    live ones read one by one, the exited ones from their parent's share of
-    waited-for children (the tokenizer process ends before the worker's `done:`)."""
-    own, descendants, todo = 0.0, 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        proc = Path("/proc") / str(current)
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            user, system, waited_user, waited_system = (int(f) for f in fields[11:15])
-            if current == pid:
-                own += (user + system) / _TICKS
-            else:
-                descendants += (user + system) / _TICKS
-            descendants += (waited_user + waited_system) / _TICKS
-            for task in (proc / "task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-    return own, descendants
-
-
 def pipe(
     kafka: KafkaSettings, topic: str, records: int, model: str, work: Path, extra: str
 ) -> dict:
-    variant_env, flags = split_variant(extra)
-    group = f"overhead-{uuid.uuid4().hex[:8]}"
-    command = [
-        sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,
-        "run", "--topic", topic, "--group", group, "--output", str(work / group),
-        "--until-end", "--model", model, "--precision", "fp32", "--device", "cpu",
-        # The sample is cycled: the embedding cache would serve every repeat.
-        "--no-progress", "--cache", "off", *flags,
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **variant_env}
-    worker = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-    watchdog = threading.Timer(1200, worker.kill)
-    watchdog.start()
-    lines, cpu_at_first, cpu_at_done = [], None, None
-    assert worker.stderr is not None
-    try:
-        for line in worker.stderr:  # the worker's log, read as it is written
-            lines.append(line)
-            if cpu_at_first is None and _FIRST.search(line):
-                cpu_at_first = tree_cpu_s(worker.pid)
-            elif cpu_at_done is None and _DONE.search(line):
-                cpu_at_done = tree_cpu_s(worker.pid)
-    finally:
-        watchdog.cancel()
-    stderr = "".join(lines)
-    if worker.wait() != 0:
-        raise SystemExit(f"overhead: pipeline run failed:\n{stderr[-3000:]}")
-    rate, first = _DONE.search(stderr), _FIRST.search(stderr)
-    if rate is None or first is None or int(rate["records"]) != records:
-        raise SystemExit(f"overhead: unexpected worker output:\n{stderr[-3000:]}")
-    first_cpu, done_cpu = cpu_at_first or (0.0, 0.0), cpu_at_done or (0.0, 0.0)
-    worker_s, children_s = done_cpu[0] - first_cpu[0], done_cpu[1] - first_cpu[1]
+    # The sample is cycled: the embedding cache would serve every repeat.
+    flags = ["--model", model, "--precision", "fp32", "--device", "cpu", "--cache", "off"]
+    got = worker.run_until_end(kafka, topic, work, extra, *flags)
+    assert got.done is not None and got.startup_s is not None
+    if got.done.records != records:
+        raise SystemExit(f"overhead: the worker read {got.done.records} of {records} records")
     return {
-        "rate": float(rate["rate"].replace(",", "")),
-        "startup_s": float(first["s"]),
-        "cpu_us": (worker_s + children_s) / records * 1e6,
-        "worker_cpu_us": worker_s / records * 1e6,
+        "rate": got.done.rate,
+        "startup_s": got.startup_s,
+        "cpu_us": got.cpu_us_per_record(),
+        "worker_cpu_us": (got.worker_cpu_s or 0.0) / records * 1e6,
     }
 
 
@@ -255,8 +183,7 @@ def main() -> int:
         report.setdefault("ratio", pipe_rate / bare_rate)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    with cluster.admin_client(kafka) as admin:
-        admin.delete_topics([topic])
+    broker.delete(kafka, [topic], [])
     return 0
 
 

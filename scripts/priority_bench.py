@@ -31,20 +31,22 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from nearline import READY_TIMEOUT_S, Visibility, _pct  # noqa: E402
+from harness import broker  # noqa: E402
+from harness.numbers import pct  # noqa: E402
+from harness.watchers import Visibility  # noqa: E402
+from harness.worker import free_port, scrape  # noqa: E402
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
 from pipeline.core.corpus import sample_texts  # noqa: E402
-from pipeline.kafka import cluster  # noqa: E402
+
+READY_TIMEOUT_S = 180
 
 VARIANTS = {
     "tiers": lambda live, corpus: ["--topic", live, "--backfill-topic", corpus],
@@ -58,44 +60,17 @@ def texts_for(n: int, seed: int) -> list[str]:
     return [base[i % len(base)] + ("" if i < len(base) else f" ({i})") for i in range(n)]
 
 
-def publish(kafka: KafkaSettings, topic: str, prefix: str, texts: list[str]) -> None:
-    from kafka import KafkaProducer
-
-    producer = KafkaProducer(linger_ms=20, acks=1, **kafka.client_kwargs())
-    for n, text in enumerate(texts):
-        producer.send(topic, json.dumps({"id": f"{prefix}{n}", "text": text}).encode())
-    producer.flush(timeout=120)
-    producer.close(timeout=10)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+def publish(
+    kafka: KafkaSettings, topic: str, prefix: str, texts: list[str], partitions: int
+) -> None:
+    values = ({"id": f"{prefix}{n}", "text": text} for n, text in enumerate(texts))
+    broker.publish(kafka, topic, values, partitions, acks=1)
 
 
 def one_run(
     kafka: KafkaSettings, args: Any, name: str, corpus: str, backfill: int, work: Path
 ) -> dict[str, Any]:
-    live = f"prio-live-{uuid.uuid4().hex[:8]}"
-    with cluster.admin_client(kafka) as admin:
-        cluster.create_topic(admin, kafka, live, args.partitions)
+    live = broker.new_topic(kafka, args.partitions, prefix="prio-live")
     output = work / name
     port = free_port()
     command = [
@@ -160,8 +135,8 @@ def one_run(
         "variant": name,
         "nearline_records": len(sent),
         "nearline_not_visible": len(sent) - len(latencies),
-        "p50_s": _pct(latencies, 50),
-        "p99_s": _pct(latencies, 99),
+        "p50_s": pct(latencies, 50),
+        "p99_s": pct(latencies, 99),
         "max_s": latencies[-1] if latencies else None,
         "backfill_visible": len(backfill_times),
         "backfill_seconds": span,
@@ -171,9 +146,7 @@ def one_run(
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in load_after],
     }
-    with cluster.admin_client(kafka) as admin:
-        existing = set(admin.list_topics())
-        admin.delete_topics([t for t in (live, f"{live}.dlq") if t in existing])
+    broker.delete(kafka, [live, f"{live}.dlq"], [])
     return result
 
 
@@ -202,11 +175,9 @@ def main() -> int:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
-    corpus = f"prio-corpus-{uuid.uuid4().hex[:8]}"
-    with cluster.admin_client(kafka) as admin:
-        cluster.create_topic(admin, kafka, corpus, args.partitions)
+    corpus = broker.new_topic(kafka, args.partitions, prefix="prio-corpus")
     started = time.monotonic()
-    publish(kafka, corpus, "bf-", texts_for(args.backfill, seed=0))
+    publish(kafka, corpus, "bf-", texts_for(args.backfill, seed=0), args.partitions)
     print(f"published {args.backfill} backfill records in {time.monotonic() - started:.1f}s")
     results = []
     try:
@@ -216,8 +187,7 @@ def main() -> int:
                 results.append(result)
                 print(_line(result), flush=True)
     finally:
-        with cluster.admin_client(kafka) as admin:
-            admin.delete_topics([corpus])
+        broker.delete(kafka, [corpus], [])
     print(
         f"priority_bench: nearline {args.rate:g} records/s while {args.backfill:,} backfill "
         f"records are embedded ({args.model}, {args.precision}, {os.cpu_count()} CPUs)"

@@ -18,19 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from harness import worker  # noqa: E402
+
+from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
+
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]
-_DONE = re.compile(r"done: (?P<records>\d+) records .*?, (?P<rate>[\d,.]+) records/s")
 
 
 def say(message: str) -> None:
@@ -83,23 +86,17 @@ def publish(topic: str, records: int, partitions: int, env: dict[str, str], work
 
 
 def run_once(topic: str, output: str, model: str, env: dict[str, str]) -> dict[str, Any]:
+    kafka = KafkaSettings(os.environ.get("PIPELINE_BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP))
     group = f"s3bench-{uuid.uuid4().hex[:8]}"
-    command = [*PIPELINE, "run", "--topic", topic, "--group", group, "--output", output]
-    command += ["--until-end", "--no-progress", "--model", model, "--precision", "fp32"]
-    started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    lines = [ln for ln in done.stderr.splitlines() if "done: " in ln]
-    match = _DONE.search(lines[-1]) if lines else None
-    if match is None:
-        raise SystemExit(f"no done: line:\n{done.stderr[-2000:]}")
+    argv = worker.command(kafka, topic, group, output, "--model", model, "--precision", "fp32")
+    outcome = worker.run(argv, env, timeout_s=3600)
+    if outcome.done is None:
+        raise SystemExit(f"worker failed ({outcome.returncode}):\n{outcome.stderr[-3000:]}")
     return {
         "output": output,
-        "records": int(match["records"]),
-        "records_per_s": float(match["rate"].replace(",", "")),
-        "wall_s": round(wall, 1),
+        "records": outcome.done.records,
+        "records_per_s": outcome.done.rate,
+        "wall_s": round(outcome.seconds, 1),
     }
 
 
