@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 def run(config: WorkerConfig) -> RunSummary:
     """Runs a worker process to its end (bulk mode), a signal, or an error."""
     # Tokenizing overlaps the model's forward passes on other threads; a parallel
-    # tokenizer would only contend with them for the same cores (measured: -8%).
+    # tokenizer would only contend with them for the same cores (it was slower).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Before any other thread starts: free memory goes back to the OS in full after
     # each batch, and a backlog's passes do not leave it behind (pipeline.core.host).

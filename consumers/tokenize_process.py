@@ -234,7 +234,7 @@ class TokenizerPool:
 
 def _views(flat: Any, offsets: Any) -> list[memoryview]:
     """Each text's ids, a memoryview of `flat`, made by C-level maps: a numpy view a
-    text cost 0.75 µs a record of the poll loop's GIL."""
+    text cost far more of the poll loop's GIL."""
     bounds = offsets.tolist()
     ids = memoryview(np.ascontiguousarray(flat, dtype=np.int32))  # one format for every poll
     return list(map(ids.__getitem__, map(slice, bounds, bounds[1:])))

@@ -46,10 +46,16 @@ pong() {
   ) 2>/dev/null
 }
 
+# The pid file's process, if it is still this server: a pid file left by an earlier
+# machine or boot may name a process that now is something else entirely.
 running_pid() {
   [[ -f "$PIDFILE" ]] || return 1
   local pid; pid="$(cat "$PIDFILE")"
-  kill -0 "$pid" 2>/dev/null && echo "$pid"
+  kill -0 "$pid" 2>/dev/null || return 1
+  if [[ -r "/proc/$pid/cmdline" ]]; then
+    tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "redis-server.*:$PORT" || return 1
+  fi
+  echo "$pid"
 }
 
 lib_dirs() {
@@ -136,7 +142,7 @@ wait_ready() {
   local pid="$1" deadline=$((SECONDS + START_TIMEOUT_S))
   until pong; do
     kill -0 "$pid" 2>/dev/null || { tail -n 20 "$CACHE/stdout.log" "$LOG" >&2 2>/dev/null; die "redis-server exited during start-up (log: $LOG)"; }
-    (( SECONDS < deadline )) || die "redis-server did not answer PING on 127.0.0.1:$PORT within ${START_TIMEOUT_S}s (log: $LOG)"
+    (( SECONDS < deadline )) || die "redis-server did not answer PING on 127.0.0.1:$PORT within ${START_TIMEOUT_S}s (last log line: $(tail -n 1 "$LOG" 2>/dev/null); log: $LOG)"
     sleep 0.2
   done
 }

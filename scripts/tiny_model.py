@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Small random BERTs, saved as Hugging Face folders that `pipeline run --model PATH` loads.
 
-The chaos harness (scripts/chaos.py) and slow tests need a model that embeds in
+The chaos harness (scripts/chaos) and slow tests need a model that embeds in
 microseconds on a CPU, so that their runs are dominated by Kafka and by the
 worker's own protocol, not by matrix products. The vectors mean nothing; they
 are deterministic (fixed seed), mean-pooled and L2-normalised.

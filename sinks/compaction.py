@@ -77,8 +77,8 @@ DEFAULT_TARGET_BYTES = 128 << 20
 # Arrow data, which is what compaction holds at a time (sources are read in
 # batches): large enough for fast scans, small enough that a reader of a few rows
 # does not decode a whole file and that a worker compacting beside its batches
-# stays near its working set (64k rows of 384-d vectors and short texts were
-# ~100 MB, held twice while concatenated: +240 MB of peak RSS at a 100k backlog).
+# stays near its working set (a larger group is held twice while concatenated, and
+# showed in the peak RSS of a worker under a backlog: docs/performance.md).
 ROW_GROUP_ROWS = 64 * 1024
 ROW_GROUP_BYTES = 24 << 20
 _READ_BATCH_ROWS = 4096

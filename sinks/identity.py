@@ -132,8 +132,9 @@ def check_output_model(output: Any, model: ModelInfo, where: str | None = None) 
     raise OutputError(
         f"{where} holds vectors of {recorded.get('model', 'another model')} and this worker "
         f"embeds with {model.name}: {'; '.join(found)}. One output holds one model's vectors: "
-        f"to re-embed, give a new --output and a new --group (README: re-embedding with a new "
-        f"model); to add to this output, run with {_flags_for(recorded, model)}"
+        f"to re-embed, give a new --output and a new --group (docs/operations.md: "
+        f"re-embedding with a new model); to add to this output, run with "
+        f"{_flags_for(recorded, model)}"
     )
 
 

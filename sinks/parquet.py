@@ -51,11 +51,10 @@ from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files
 
 log = logging.getLogger(__name__)
 
-# Codec chosen by measurement (2,000 docstring paragraphs, 384-d float32, pyarrow 26):
-# none 2.22 MB, snappy 2.09 MB, lz4 2.08 MB, zstd 1.90 MB, and zstd with
-# BYTE_STREAM_SPLIT on the embedding floats 1.75 MB (-21%) at the fastest write
-# (9 ms vs 20 ms uncompressed). Float vectors barely compress; splitting the
-# float bytes into streams is what lets zstd find the redundancy in exponents.
+# Codec chosen by measurement (docs/performance.md): zstd, with BYTE_STREAM_SPLIT on
+# the embedding floats, is the smallest and the fastest write. Float vectors barely
+# compress; splitting the float bytes into streams is what lets zstd find the
+# redundancy in exponents.
 CODEC = "zstd"
 EMBEDDING_LEAF = "embedding.list.element"
 
@@ -107,8 +106,8 @@ class ParquetSink:
         """Writes a one-row segment to a temporary folder and reads it back as the
         index sync does, at start-up: pyarrow loads its Parquet writer, dataset and
         compute code on first use, and left to the first index sync, half a minute
-        into a nearline run, that added ~9 MB of library pages (smaps) to a worker
-        whose memory is watched for growth. Best effort: a failure here is only logged."""
+        into a nearline run, that added library pages to a worker whose memory is
+        watched for growth. Best effort: a failure here is only logged."""
         row = {"topic": "t", "partition": 0, "offset": 0, "text": "t", "timestamp": 0}
         row["embedding"] = [0.0] * self._dim
         try:
@@ -229,8 +228,8 @@ class ParquetSink:
         self, records: Sequence[GoodRecord], vectors: np.ndarray, metadata: dict[str, str]
     ) -> pa.Table:
         flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).ravel(), pa.float32())
-        # Columns by C-level maps over the records (tuples): a list comprehension a
-        # column cost 0.8 µs a row of the write stage's GIL, this 0.5.
+        # Columns by C-level maps over the records (tuples): less of the write
+        # stage's GIL a row than a list comprehension a column.
         sources, texts, record_ids, metadatas = zip(*records, strict=True) if records else [()] * 4
 
         def field(name: str) -> list[Any]:

@@ -1,4 +1,4 @@
-"""The chaos harness (scripts/chaos.py): its check on synthetic outputs, and a few seeds
+"""The chaos harness (scripts/chaos): its check on synthetic outputs, and a few seeds
 against a real broker of its own (not the shared one on 9092).
 
 The seeded runs cover the three riskiest operations: several workers starting at
@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-import chaos  # noqa: E402
+from chaos import check, cli, common, plans, records  # noqa: E402
 
 CHAOS_PORT = int(os.environ.get("PIPELINE_CHAOS_TEST_PORT", "19192"))
 # Seed i runs scenario i (the plans are short ones): four workers starting at once with a
@@ -39,12 +39,12 @@ def _good(text: str) -> bytes:
 
 def test_bad_records_follow_the_contract() -> None:
     rng = random.Random(0)
-    for kind, make in chaos.BAD_MAKERS.items():
+    for kind, make in records.BAD_MAKERS.items():
         _, value = make(rng, "id-1")
-        assert chaos.is_bad(value), kind
-    assert not chaos.is_bad(_good("hello"))
-    assert chaos.is_bad(None)
-    assert chaos.is_bad(json.dumps({"text": "x" * (chaos.MAX_TEXT_BYTES + 1)}).encode())
+        assert records.is_bad(value), kind
+    assert not records.is_bad(_good("hello"))
+    assert records.is_bad(None)
+    assert records.is_bad(json.dumps({"text": "x" * (common.MAX_TEXT_BYTES + 1)}).encode())
 
 
 def test_check_counts_lost_doubled_phantom_and_misrouted() -> None:
@@ -59,7 +59,7 @@ def test_check_counts_lost_doubled_phantom_and_misrouted() -> None:
     }
     rows = [(0, 0, "a"), (0, 2, "c"), (0, 2, "c"), (0, 4, "?"), (1, 1, "zzz"), (1, 5, "aborted")]
     dlq = Counter({(0, 3): 2, (0, 4): 1, (1, 0): 1})
-    verdict = chaos.check_records(real, rows, dlq)
+    verdict = check.check_records(real, rows, dlq)
     assert verdict.lost == [(0, 1)]
     assert verdict.doubled == [(0, 2), (0, 4)]
     assert verdict.phantom == [(1, 5)]
@@ -71,27 +71,27 @@ def test_check_counts_lost_doubled_phantom_and_misrouted() -> None:
 
 
 def test_check_index_and_commits() -> None:
-    verdict = chaos.check_records({(0, 0): _good("a"), (0, 1): _good("b")}, [], Counter())
+    verdict = check.check_records({(0, 0): _good("a"), (0, 1): _good("b")}, [], Counter())
     rows = [(0, 0, "a"), (0, 1, "b")]
-    chaos.check_index(verdict, rows, Counter({(0, 0): 2, (0, 7): 1}))
+    check.check_index(verdict, rows, Counter({(0, 0): 2, (0, 7): 1}))
     assert verdict.index == {"missing": 1, "doubled": 1, "extra": 1}
-    chaos.check_commits(verdict, {0: 2, 1: 3}, {0: 2, 1: 5, 2: 1})
+    check.check_commits(verdict, {0: 2, 1: 3}, {0: 2, 1: 5, 2: 1})
     assert set(verdict.commits_short) == {1, 2}
 
 
 def test_ranges_and_seeds() -> None:
-    assert chaos.ranges([(0, 1), (0, 2), (0, 3), (0, 7), (2, 5)]) == {0: ["1-3", "7"], 2: ["5"]}
-    assert chaos.parse_seeds("1-3,7") == [1, 2, 3, 7]
+    assert common.ranges([(0, 1), (0, 2), (0, 3), (0, 7), (2, 5)]) == {0: ["1-3", "7"], 2: ["5"]}
+    assert cli.parse_seeds("1-3,7") == [1, 2, 3, 7]
 
 
 def test_plans_are_seeded_and_cover_every_scenario() -> None:
-    for name in chaos.SCENARIOS:
-        first, again = chaos.make_plan(5, name), chaos.make_plan(5, name)
+    for name in plans.SCENARIOS:
+        first, again = plans.make_plan(5, name), plans.make_plan(5, name)
         assert [str(s) for s in first.steps] == [str(s) for s in again.steps]
         assert first.steps[0].action == "start"
-    assert chaos.scenario_for(4, ["stall", "join"], 1) == "join"
-    every = range(1, len(chaos.SCENARIOS) + 1)
-    assert {chaos.scenario_for(s, None, 0) for s in every} == set(chaos.SCENARIOS)
+    assert plans.scenario_for(4, ["stall", "join"], 1) == "join"
+    every = range(1, len(plans.SCENARIOS) + 1)
+    assert {plans.scenario_for(s, None, 0) for s in every} == set(plans.SCENARIOS)
 
 
 def test_tiny_model_loads_and_embeds(tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_chaos_seeds_lose_and_double_nothing(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "chaos.py"),
+            str(REPO / "scripts" / "chaos"),
             "--seeds",
             CHAOS_SEEDS,
             "--scenario",
@@ -125,7 +125,7 @@ def test_chaos_seeds_lose_and_double_nothing(tmp_path: Path) -> None:
             "--port",
             str(CHAOS_PORT),
             "--kafka-home",
-            str(chaos.CACHE / "chaos-kafka-test"),
+            str(common.CACHE / "chaos-kafka-test"),
             "--work-dir",
             str(tmp_path / "work"),
             "--json",

@@ -34,7 +34,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-# Each replica holds a pass's activations (up to ~200 MB at the default budget).
+# Each replica holds a pass's activations: memory, not only cores, bounds replicas.
 MAX_DEFAULT_REPLICAS = 4
 # Tokenizing on more threads than this gained nothing on a 16-core GPU host.
 MAX_CUDA_TOKENIZER_THREADS = 8
@@ -96,9 +96,9 @@ def release_free_memory() -> None:
 
     glibc keeps freed activation buffers in its heap, and raises its mmap threshold
     as large blocks are freed, so that a worker's RSS ratchets up with every new
-    mix of pass sizes (measured: +180 MB over 4,000 texts, still climbing). A trim
-    after each micro-batch keeps the resting RSS where it started, for a few
-    milliseconds a batch and no slower passes (a fixed mmap threshold cost 25 %).
+    mix of pass sizes. A trim after each micro-batch keeps the resting RSS where it
+    started, for a few milliseconds a batch and no slower passes (a fixed mmap
+    threshold slowed them: docs/performance.md).
     """
     trim = _malloc_trim()
     if trim is not None:
@@ -119,10 +119,10 @@ def use_one_malloc_arena() -> bool:
     the main heap's top: the top of another arena's heap, where a large pass's
     activations fall back once freed, stays resident, and free() shrinks it only
     past the trim threshold, which glibc raises with the mmap threshold (to 64 MB
-    once the model's tensors have come and gone). Measured on the embedder alone
-    (scripts/catchup_memory.py): catch-up batches of 4,096 texts in a nearline
-    stream left +30 to +46 MB in thread heaps, +7 MB with one arena, at the same
-    speed (23-26 s a catch-up either way); a worker has more threads, so more heaps.
+    once the model's tensors have come and gone). With one arena catch-up batches
+    in a nearline stream leave a few MB in the heap instead of tens, at the same
+    speed (scripts/catchup_memory.py; docs/performance.md); a worker has more
+    threads, so more heaps.
     A MALLOC_ARENA_MAX in the environment is left to rule.
     """
     if "MALLOC_ARENA_MAX" in os.environ:
@@ -245,10 +245,9 @@ def fsync_dir(directory: Path) -> None:
 
 
 # Allocations between collections of the youngest generation (CPython's default: 700).
-# At 20,000 the steady state's young collections took ~4 % of the worker's GIL with a
-# tiny model (0.27 s more GC time over 300,000 records than at 100,000, whose young
-# objects mostly die before a collection walks them); at most ~100,000 objects of
-# cyclic garbage wait a little longer.
+# Lower, the steady state's young collections took a measurable share of the worker's
+# GIL with a tiny model (docs/performance.md); at this one the young objects mostly
+# die before a collection walks them, and cyclic garbage waits a little longer.
 GC_YOUNG_THRESHOLD = 100_000
 
 

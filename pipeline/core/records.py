@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import orjson
 
 # 19 digits in a row (an integer that may not fit 64 bits), found as 19 zeros once
-# every digit reads "0": two C passes, a tenth of what a regex scan cost (2.4 µs).
+# every digit reads "0": two C passes, a tenth of what a regex scan cost.
 _ALL_DIGITS_ZERO = bytes.maketrans(b"123456789", b"0" * 9)
 _LONG_DIGITS = b"0" * 19
 # What orjson reads exactly as json does (an integer past 64 bits becomes a float).
@@ -56,8 +56,8 @@ class Source(Protocol):
     def value(self) -> bytes | None: ...
 
 
-# Not frozen: a frozen dataclass's __init__ costs six times a plain one's (2.3 µs
-# against 0.4), paid for every record; nothing mutates these after parsing.
+# Not frozen: a frozen dataclass's __init__ costs several times a plain one's, paid
+# for every record; nothing mutates these after parsing.
 @dataclass(slots=True)
 class SourceRecord:
     """What the worker keeps of a consumed Kafka record."""
@@ -72,8 +72,7 @@ class SourceRecord:
 
 class GoodRecord(NamedTuple):
     """A record to embed. A tuple: made in bulk from a tokenizer process's columns
-    (`good_records`) at a tenth of a dataclass's cost (1.3 µs a record of the poll
-    loop's GIL with a tiny model)."""
+    (`good_records`) at a tenth of a dataclass's cost, in the poll loop's GIL."""
 
     source: Source
     text: str

@@ -2,10 +2,10 @@
 
 kafka-python decodes a v2 record batch one record at a time through a
 `DefaultRecord` object, six `decode_varint` calls and a per-record CRC, size and
-deserializer step before it builds the `ConsumerRecord` the caller gets: about
-4 µs a record here, most of the poll thread's time with a small model. This
-module decodes a batch's records in one loop (one-byte and two-byte varints
-inline), about twice as fast, and yields the same `ConsumerRecord` tuples.
+deserializer step before it builds the `ConsumerRecord` the caller gets: most of
+the poll thread's time with a small model. This module decodes a batch's records
+in one loop (one-byte and two-byte varints inline), about twice as fast
+(docs/performance.md), and yields the same `ConsumerRecord` tuples.
 
 One difference on purpose: a header key that is not UTF-8 (Go clients and
 librdkafka's C API can write one) is decoded with U+FFFD for the bad bytes, as

@@ -302,10 +302,9 @@ def fault_in(tensors: Iterable[torch.Tensor]) -> None:
     """Reads one value per page of each tensor, so that memory-mapped weights are
     resident from the start. safetensors maps the file and its pages come in as
     they are first used: the word-embedding table's rows as each token id is first
-    met, which made a nearline worker's RSS creep up by 25 MB over its first five
-    minutes and more slowly after (measured, all-MiniLM-L6-v2: 57 of its 87 MB
-    resident after the first records, 82 five minutes later): growth that looks
-    like a leak to anyone watching memory. Reading them costs a few milliseconds."""
+    met, so a nearline worker's RSS crept up for minutes: growth that looks like a
+    leak to anyone watching memory (docs/performance.md). Reading them costs a few
+    milliseconds."""
     for tensor in tensors:
         if tensor.numel():
             per_page = max(1, 4096 // tensor.element_size())

@@ -51,8 +51,7 @@ log = logging.getLogger(__name__)
 # Texts per tokenizer call when a batch is tokenized on several threads.
 TOKENIZE_CHUNK = 512
 # On the CPU, free pages go back to the OS after a pass whose widest activation
-# reached this size (MiniLM passes from 342 tokens; a full one holds 12 MB): after
-# every pass of a tiny model, the trim cost more than the pass.
+# reached this size: after every pass of a tiny model, the trim cost more than the pass.
 TRIM_AFTER_BYTES = 2 << 20
 # Which implementation runs the model: "auto" (pipeline.model.bert for the BERT family,
 # transformers for the rest), "native" (pipeline.model.bert or a ModelError) or
@@ -400,7 +399,7 @@ class Embedder:
             out[rows] = self._forward(flat, starts[rows], tokens.lengths[rows], one.width, excluded)
             if trim and one.computed_tokens >= trim_from:
                 # A batch's passes free and allocate activations of many sizes; kept
-                # by the allocator until the batch ends, they added 150-250 MB.
+                # by the allocator until the batch ends, they add up (docs/performance.md).
                 release_free_memory()
 
         for done in [self._pool.submit(run, one) for one in passes]:

@@ -30,20 +30,15 @@ import numpy as np
 PADDING_TARGET = 0.92
 # Per device: padded tokens per pass and the padding target. A GPU pays a fixed
 # cost per pass (kernel launches from Python), so there fewer, fuller passes win
-# over less padding: `scripts/gpu-check.sh` on an H200, all-MiniLM-L6-v2 bf16,
-# short texts: 8192 tokens and 0.92 gave 34,800 texts/s over 262 passes, 131072
-# and 0.6 gave 67,600 over 69 passes; texts 8 times longer, 15,000 against 6,900
-# at 32768.
+# over less padding (`scripts/gpu-check.sh`; docs/performance.md, GPU).
 CUDA_PASS_TOKENS = 131_072
 CUDA_PADDING_TARGET = 0.6
 # On the CPU the pass's work dominates and padding is pure loss; what bounds a
 # pass is its activations, so its tokens follow the model's width: the widest
-# activation (the feed-forward layer's) stays under this many bytes per pass.
-# For all-MiniLM-L6-v2 that is 2048 tokens: at 8192 a pass's activations peaked
-# at 180-290 MB per replica and the worker's peak RSS grew by 577 MB from a 500-
-# to a 30,000-record backlog (passes only fill under a backlog); at 2048, 91 MB at
-# most and +157 MB, at 147-178 texts/s against 138-144 side by side. A tiny model
-# gets far more tokens per pass: there the per-pass Python overhead dominates.
+# activation (the feed-forward layer's) stays under this many bytes per pass: larger
+# passes made a worker's peak memory grow with its backlog, for no speed
+# (docs/performance.md). A tiny model gets far more tokens per pass: there the
+# per-pass Python overhead dominates.
 CPU_PASS_ACTIVATION_BYTES = 12 << 20
 CPU_PASS_TOKENS = (256, 65_536)
 
@@ -104,8 +99,8 @@ class ShapePlan:
         self.exact = exact
         self.padding_target = padding_target
         # Attention holds rows x heads x width^2 scores: under the token budget alone
-        # a pass of 32 rows of 256 tokens held ~100 MB per score matrix and replica,
-        # and a worker's peak memory grew with how full its long passes were.
+        # a pass of long rows held far more than its activations, and a worker's
+        # peak memory grew with how full its long passes were.
         self.attention_budget = token_budget * ATTENTION_WIDTH
 
     def max_rows(self, width: int) -> int:

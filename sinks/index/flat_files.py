@@ -1,8 +1,8 @@
 """Merging flat shard files by streaming their bytes, without loading them.
 
 A merge through faiss holds every source's vectors and the merged index at once,
-and the merged vector grows by doubling: up to three times the shard cap (about
-100 MB at 32 MiB) on top of the worker's working set, whatever else it is doing.
+and the merged vector grows by doubling: up to three times the shard cap on top of
+the worker's working set, whatever else it is doing.
 A flat shard file is a fixed header, the vectors, then the ids, so the merged
 file is the sources' vectors one after another, then their ids: copied in
 chunks, it costs a chunk of memory.

@@ -135,7 +135,7 @@ def cap_vectors(dim: int, cap_bytes: int = SHARD_CAP_BYTES) -> int:
 
 def preload(dim: int) -> None:
     """Imports faiss and reads its shard layout now, at start-up: left to the first
-    index sync, half a minute into a run, it added ~22 MB to a running worker."""
+    index sync, half a minute into a run, it added to a running worker's memory."""
     flat_file_bytes(dim, 0)
     flat_layout(dim)
 

@@ -110,7 +110,7 @@ class UnicodeRules:
 class CharacterCheck:
     """Which non-ASCII characters the rules treat exactly as the Rust normaliser and
     pre-tokeniser do, judged one by one as texts bring them: "a" + character + "a"
-    must come out as the same words both ways (about 6 µs a character; a Chinese
+    must come out as the same words both ways (a few µs a character, once; a Chinese
     corpus meets a few thousand). Only characters of CANDIDATE_RANGES are judged."""
 
     MAX_REFUSED = 50_000  # forgotten past this (judged again when met): memory stays bounded

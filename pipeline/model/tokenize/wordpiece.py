@@ -1,14 +1,15 @@
 """BERT's WordPiece in a few microseconds a text: the same ids as the Rust tokenizer.
 
 The Rust tokenizer tracks every character's offsets through normalisation and
-builds a full Encoding per text: on the CPU it cost 90-100 µs for a short
-paragraph, three to five times what Kafka and JSON cost for the same record,
-and the worker's largest cost after the model. For plain ASCII the BERT
-pipeline is simple: drop control characters, lower-case (uncased models), split
-into runs of letters and digits and single punctuation characters, and cut each
-word greedily into the longest vocabulary pieces ("##" inside words). Words
-repeat (Zipf), so each word's pieces are remembered: a paragraph then costs a
-regex, a lower() and a dictionary lookup per word (about 14 µs).
+builds a full Encoding per text: several times what Kafka and JSON cost for the
+same record, and the worker's largest cost after a small model. For plain ASCII
+the BERT pipeline is simple: drop control characters, lower-case (uncased models),
+split into runs of letters and digits and single punctuation characters, and cut
+each word into vocabulary pieces ("##" inside words). Words repeat (Zipf), so each
+word's pieces are remembered: a paragraph then costs a split, a lower() and a
+dictionary lookup per word; a word met for the first time is cut by the Rust
+tokenizer's own WordPiece model, all of a poll's new words in one call
+(docs/models.md has the measurements).
 
 Only tokenizers whose declared pipeline is exactly that one qualify (read from
 their own tokenizer.json), and only texts without "[" (special tokens such as
