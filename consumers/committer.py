@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import kafka.errors as kerrors
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
@@ -48,6 +49,17 @@ from consumers.partitions import Ownership
 from pipeline.core.layout import TopicPartitionKey
 
 log = logging.getLogger(__name__)
+
+# Commit errors that only say the group is rebalancing: the commit is retried once
+# the worker has rejoined (or dropped for partitions it no longer owns).
+_REBALANCING = (
+    kerrors.RebalanceInProgressError,
+    kerrors.CommitFailedError,
+    kerrors.IllegalGenerationError,
+    kerrors.UnknownMemberIdError,
+)
+# A commit failing for another reason is told at its first failure, then this often.
+_WARN_EVERY_S = 30.0
 
 
 @dataclass
@@ -103,6 +115,7 @@ class OffsetCommitter:
         self.committed: dict[TopicPartitionKey, int] = {}
         self.failures = 0
         self.failing_since: float | None = None
+        self._last_warned = float("-inf")
 
     def add(self, published: PublishedBatch) -> None:
         for key, offset in published.next_offsets.items():
@@ -199,6 +212,15 @@ class OffsetCommitter:
     def _failed(self, now: float, exc: BaseException) -> None:
         # CommitFailed, RebalanceInProgress, broker restarts: retried
         self.failures += 1
-        if self.failing_since is None:
+        first = self.failing_since is None
+        if first:
             self.failing_since = now
-        log.warning("offset commit failed (retrying): %s", exc)
+        if isinstance(exc, _REBALANCING):
+            # The group is rebalancing: expected, retried, and its one line is the
+            # rebalance's own (consumers.partitions.RebalanceLog).
+            log.debug("offset commit failed during a rebalance (retrying): %s", exc)
+        elif first or now - self._last_warned >= _WARN_EVERY_S:
+            self._last_warned = now
+            log.warning("offset commit failed (retrying): %s", exc)
+        else:
+            log.debug("offset commit failed (retrying): %s", exc)

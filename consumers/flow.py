@@ -14,6 +14,7 @@ whatever is paused or reordered here.
 
 from __future__ import annotations
 
+import collections
 import queue
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,11 +26,13 @@ from consumers.partitions import InFlight, Reader
 from consumers.tiers import (
     BACKFILL,
     NEARLINE,
+    FairShare,
     TieredBatcher,
     TierQueue,
     Tiers,
     batch_is_backfill,
     fetch_lag,
+    partition_lags,
 )
 from pipeline.core.config import WorkerConfig
 from pipeline.core.metrics import WorkerMetrics
@@ -100,12 +103,22 @@ class TieredFlowControl(FlowControl):
         batcher.hold_nearline = inbox.nearline_waiting
         self.batcher, self.embed_queue = batcher, inbox
         self.commit_metadata = self.tiers.commit_metadata
+        self.fair = FairShare()
 
     def attach(self, embed_stage: Any) -> None:
         embed_stage.on_embedded = self.tiers.embedded  # sizes backfill batches
+        # A backfill batch gives way to nearline ones between its forward passes.
+        assert isinstance(self.embed_queue, TierQueue)
+        embed_stage.yields = batch_is_backfill(self.tiers)
+        embed_stage.urgent = self.embed_queue.take_nearline
 
     def count_polled(self, sources: list[Source], metrics: WorkerMetrics) -> None:
-        backfill = sum(1 for s in sources if s.topic in self.tiers.backfill_topics)
+        taken = collections.Counter(
+            (s.topic, s.partition) for s in sources if s.topic in self.tiers.backfill_topics
+        )
+        for key, records in taken.items():
+            self.fair.took(key, records)
+        backfill = sum(taken.values())
         metrics.tier_records.labels(BACKFILL).inc(backfill)
         metrics.tier_records.labels(NEARLINE).inc(len(sources) - backfill)
 
@@ -125,16 +138,18 @@ class TieredFlowControl(FlowControl):
         waiting = tiers.observe(lag)
         backfill_out = in_flight.count(tiers.holds_backfill)
         nearline_out = len(in_flight) - backfill_out
+        # Backfill batches (and polls while backfill is read) hold about
+        # --backfill-batch-ms of embedding, unless no nearline partition is ours.
+        records = tiers.backfill_records() if nearline else self.config.batching.batch_size
         wanted: set[TopicPartition] = set()
         if waiting or backfill_out >= limit:
             wanted |= backfill
+        else:
+            wanted |= self.fair.ahead(partition_lags(consumer, backfill), records)
         if nearline_out >= limit:
             wanted |= nearline
         paused = reader.pause_only(wanted)
         unpark_resumed(consumer)
-        # Backfill batches (and polls while backfill is read) hold about
-        # --backfill-batch-ms of embedding, unless no nearline partition is ours.
-        records = tiers.backfill_records() if nearline else self.config.batching.batch_size
         self.batcher.backfill.max_records = records
         self.poll_records = records if backfill - wanted else None
         metrics.nearline_lag.set(lag)

@@ -32,6 +32,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from pipeline.core.config import KafkaSettings
 from pipeline.core.layout import TopicPartitionKey, segments_by_partition
 from pipeline.core.records import Source
-from pipeline.kafka import cluster
+from pipeline.kafka import cluster, internals
 from sinks.segments import START_FROM_COMMITTED, DamagedSegment, covered_through, quarantine
 
 log = logging.getLogger(__name__)
@@ -66,21 +67,31 @@ class Event:
 class InFlight:
     """Batches handed to the stages and not yet published, with their partitions.
 
-    `wait_for(partitions)` lets a revocation give in-flight work on those
-    partitions a bounded time to be published before the partitions go.
+    `wait_for(partitions)` lets a revocation give the embedded batches on those
+    partitions (being written: published within moments) a bounded time to be
+    published before the partitions go. Batches not embedded yet are not waited
+    for: a backlog's batch takes seconds to embed, and every second a revocation
+    waits, the group waits too (the next owner reads them again from the outputs).
     """
 
     def __init__(self, lock: threading.Condition) -> None:
         self._cond = lock
         self._batches: dict[int, set[TopicPartitionKey]] = {}
+        self._embedded: set[int] = set()
 
     def started(self, number: int, keys: Iterable[TopicPartitionKey]) -> None:
         with self._cond:
             self._batches[number] = set(keys)
 
+    def embedded(self, number: int) -> None:
+        with self._cond:
+            if number in self._batches:
+                self._embedded.add(number)
+
     def finished(self, number: int) -> None:
         with self._cond:
             self._batches.pop(number, None)
+            self._embedded.discard(number)
             self._cond.notify_all()
 
     def __len__(self) -> int:
@@ -100,12 +111,14 @@ class InFlight:
     def clear(self) -> None:
         with self._cond:
             self._batches.clear()
+            self._embedded.clear()
             self._cond.notify_all()
 
     def wait_for(self, partitions: set[TopicPartitionKey], timeout_s: float) -> bool:
+        """Until no embedded batch holds these partitions; False on timeout."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not any(keys & partitions for keys in self._batches.values()),
+                lambda: not any(self._batches[n] & partitions for n in self._embedded),
                 timeout=timeout_s,
             )
 
@@ -189,10 +202,8 @@ class Listener(ConsumerRebalanceListener):
         self._revoke(lost, lost=True)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
-        keys = sorted((tp.topic, tp.partition) for tp in assigned)
-        self.ownership.assigned(keys)
-        if keys:
-            log.info("partitions assigned: %s", keys)
+        # Logged by the poll thread, with where each starts (RebalanceLog).
+        self.ownership.assigned((tp.topic, tp.partition) for tp in assigned)
 
     def _revoke(self, partitions: Any, lost: bool) -> None:
         keys = {(tp.topic, tp.partition) for tp in partitions}
@@ -208,7 +219,63 @@ class Listener(ConsumerRebalanceListener):
                 self.revoke_timeout_s,
             )
         self.ownership.revoked(keys, lost)
-        log.info("partitions %s: %s", "lost" if lost else "revoked", sorted(keys))
+        if lost:  # not a rebalance this worker took part in: the group moved on without it
+            log.warning("partitions lost: %s", sorted(keys))
+
+
+def _names(keys: Iterable[TopicPartitionKey], starts: dict[TopicPartitionKey, int]) -> str:
+    named = [f"{t}[{p}]" + (f"@{starts[(t, p)]}" if (t, p) in starts else "") for t, p in keys]
+    return " ".join(named) if named else "none"
+
+
+class RebalanceLog:
+    """One log line per rebalance this worker takes part in: what it was assigned
+    (with where each partition starts reading), revoked and kept, and how long the
+    group took, from when this worker learnt of the rebalance (or subscribed, for
+    its first) to the assignment. Retried commits and the join's steps log nothing
+    more above DEBUG."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since: float | None = clock()  # subscribed: the first join is under way
+        self._joined = False
+
+    def watch(self, consumer: KafkaConsumer) -> None:
+        """Called before each poll's events are taken: notes when a rebalance began."""
+        if self._since is None and internals.rejoining(consumer):
+            self._since = self._clock()
+
+    def applied(
+        self,
+        events: list[Event],
+        owned_before: set[TopicPartitionKey],
+        started: dict[TopicPartitionKey, int],
+    ) -> None:
+        moved = [e for e in events if e.change in (Change.ASSIGNED, Change.REVOKED)]
+        if not moved:
+            return
+        assigned = set().union(*(e.keys for e in moved if e.change is Change.ASSIGNED))
+        revoked = set().union(*(e.keys for e in moved if e.change is Change.REVOKED))
+        revoked -= assigned
+        kept = owned_before - revoked - assigned
+        took = "" if self._since is None else f" in {self._clock() - self._since:.1f}s"
+        what = "joined the group" if not self._joined else "rebalanced"
+        log.info(
+            "partitions %s%s: assigned %s; revoked %s; kept %s",
+            what,
+            took,
+            _names(sorted(assigned), started),
+            _names(sorted(revoked), started),
+            _names(sorted(kept), started),
+        )
+        self._joined = True
+        self._since = None
+
+    def closed(self, events: list[Event]) -> None:
+        """The revocation that closing the consumer made."""
+        revoked = set().union(*(e.keys for e in events if e.change is Change.REVOKED))
+        if revoked:
+            log.info("partitions revoked at close: %s", _names(sorted(revoked), {}))
 
 
 @dataclass
@@ -270,15 +337,18 @@ class Reader:
         self.kafka = kafka
         self.on_quarantine = on_quarantine
         self.states: dict[TopicPartitionKey, ReadState] = {}
+        self.rebalances = RebalanceLog()
 
     # -- rebalance events -----------------------------------------------------------------
 
     def apply(self) -> Applied:
         """Applies queued ownership events: forget, seek, re-tag. Call right after poll()."""
         applied = Applied()
+        self.rebalances.watch(self.consumer)
         events = self.ownership.events()
         if not events:
             return applied
+        owned_before = set(self.states)
         for event in events:
             applied.changed |= event.keys
             applied.changes.append(event.change.value)
@@ -299,12 +369,7 @@ class Reader:
                 applied.started[key] = offset
                 if offset > committed.get(TopicPartition(*key), -1):
                     applied.commit_to[key] = offset
-            log.info(
-                "reading from: %s",
-                ", ".join(
-                    f"{t}[{p}]@{applied.started[(t, p)]}" for t, p in sorted(applied.started)
-                ),
-            )
+        self.rebalances.applied(events, owned_before, applied.started)
         return applied
 
     def _assigned(self, key: TopicPartitionKey) -> bool:

@@ -25,7 +25,7 @@ import numpy as np
 
 from consumers.batcher import MicroBatch, TopicPartitionKey
 from consumers.committer import PublishedBatch
-from consumers.partitions import Ownership
+from consumers.partitions import InFlight, Ownership
 from pipeline.core.config import WorkerConfig
 from pipeline.core.errors import PipelineError
 from pipeline.core.host import release_free_memory
@@ -93,6 +93,10 @@ class Stage(threading.Thread):
 class EmbedStage(Stage):
     # Told of each batch embedded, with its seconds: consumers.tiers sizes backfill by it.
     on_embedded: Callable[[MicroBatch, float], None] | None = None
+    # Whether a batch gives way, between its forward passes, to the batches `urgent`
+    # hands out (consumers.flow: backfill to nearline); by default none does.
+    yields: Callable[[MicroBatch], bool] = staticmethod(lambda batch: False)
+    urgent: Callable[[], MicroBatch | None] = staticmethod(lambda: None)
 
     def __init__(
         self,
@@ -102,23 +106,28 @@ class EmbedStage(Stage):
         embedder: Embedder,
         metrics: WorkerMetrics,
         cache: EmbeddingCache | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         super().__init__("embed", inbox, stop)
         self.outbox = outbox
         self.embedder = embedder
         self.metrics = metrics
         self.cache = cache
+        self.in_flight = in_flight
 
     def handle(self, item: object) -> None:
         assert isinstance(item, MicroBatch)
         tokens = item.tokenized()
+        between = self._run_urgent if self.yields(item) else None
         cached = ""
         if self.cache is None:
-            vectors, stats = self.embedder.embed_tokens(tokens)
+            vectors, stats = self.embedder.embed_tokens(tokens, between_passes=between)
         else:
             # Only the texts the cache lacks reach the model, each distinct one once.
             texts = [g.text for g in item.good]
-            vectors, stats, found = embed_cached(self.embedder, self.cache, texts, tokens)
+            vectors, stats, found = embed_cached(
+                self.embedder, self.cache, texts, tokens, between_passes=between
+            )
             cached = f", {found.hits} from the cache"
         release_free_memory()
         log.debug(
@@ -137,7 +146,19 @@ class EmbedStage(Stage):
             self.metrics.batch_tokens.observe(tokens.total_tokens)
         if item.good and self.on_embedded is not None:
             self.on_embedded(item, stats.seconds)
+        if self.in_flight is not None:
+            self.in_flight.embedded(item.number)  # a revocation now waits for its publish
         self.put(self.outbox, EmbeddedBatch(item, vectors, stats))
+
+    def _run_urgent(self) -> None:
+        """Embeds, whole and before the batch in hand goes on, every urgent batch that
+        waits. Batches of other partitions overtake it: each partition's batches
+        still reach the writer in order."""
+        while not self.stop_event.is_set():
+            batch = self.urgent()
+            if batch is None:
+                return
+            self.handle(batch)
 
 
 class WriteStage(Stage):
@@ -363,7 +384,7 @@ def start_stages(
     """The embed and write stages (and compaction's, on a local output), started;
     `queues`: the embed stage's inbox, the write stage's, and the published batches."""
     embed_q, write_q, done_q = queues
-    embed = EmbedStage(embed_q, write_q, stop, embedder, metrics, cache)
+    embed = EmbedStage(embed_q, write_q, stop, embedder, metrics, cache, ownership.in_flight)
     write = WriteStage(
         write_q, done_q, stop, parquet, dead_letter, index, ownership, metrics,
         config.storage.index_sync_interval_s, alive=alive,

@@ -108,7 +108,9 @@ def make_consumer(
         max_poll_records=cfg.batching.batch_size,
         max_poll_interval_ms=cfg.liveness.max_poll_interval_ms,
         session_timeout_ms=cfg.liveness.session_timeout_ms,
-        heartbeat_interval_ms=max(100, min(3000, cfg.liveness.session_timeout_ms // 3)),
+        # A member learns of a rebalance at its next heartbeat: every second, so that
+        # workers started together settle in a few seconds, not a few rounds of three.
+        heartbeat_interval_ms=max(100, min(1000, cfg.liveness.session_timeout_ms // 3)),
         # Bounds the fetch buffers: part of the worker's memory ceiling.
         fetch_max_bytes=16 * 1024 * 1024,
         max_partition_fetch_bytes=2 * 1024 * 1024,

@@ -61,9 +61,13 @@ def account(summary: RunSummary, metrics: WorkerMetrics, published: PublishedBat
 def update_lag(
     metrics: WorkerMetrics, consumer: Any, committed: Mapping[tuple[str, int], int]
 ) -> None:
-    """Lag per owned partition: high watermark (from fetches) minus committed offset."""
+    """Lag per owned partition: high watermark (from fetches) minus committed offset,
+    its age in seconds and the committed offset; the series of partitions no longer
+    owned (or not committed since they were taken) go away."""
+    positions: dict[tuple[str, int], tuple[int, int]] = {}
     for tp in consumer.assignment():
         highwater = consumer.highwater(tp)
         offset = committed.get((tp.topic, tp.partition))
         if highwater is not None and offset is not None:
-            metrics.lag.labels(tp.topic, str(tp.partition)).set(highwater - offset)
+            positions[(tp.topic, tp.partition)] = (highwater, offset)
+    metrics.set_partition_lag(positions, time.monotonic())

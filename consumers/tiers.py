@@ -22,11 +22,16 @@ outputs end):
   backfill batches, `EmbedRate`), and a poll takes no more records than one such
   batch while any backfill partition is fetchable; so the backfill work ahead of a
   nearline record is at most the batch being embedded.
-- **Nearline batches go first** in the embed queue (`TierQueue`), alternating
-  with backfill batches when both wait, and a new nearline batch closes only once
-  the previous one is being embedded (so a trickle on a busy CPU makes few batches,
-  not one per poll); batches never mix tiers (`TieredBatcher`), and a partition has
-  one tier, so each partition's batches still reach the writer in order.
+- **Nearline batches go first** in the embed queue (`TierQueue`), and a backfill
+  batch being embedded gives way to them between its forward passes: on a squeezed
+  CPU a backfill batch takes longer, but a nearline record still waits for at most
+  one pass per replica of it. A new nearline batch closes only once the previous
+  one is being embedded (so a trickle on a busy CPU makes few batches, not one per
+  poll); batches never mix tiers (`TieredBatcher`), and a partition has one tier,
+  so each partition's batches still reach the writer in order.
+- **Every backfill partition advances** (`FairShare`): a partition that has given
+  a backfill batch's worth more than the one furthest behind pauses until that one
+  catches up, so no partition waits for another to drain.
 - **Each tier has `--max-in-flight` batches of its own** before its partitions
   pause: a nearline trickle closes a small batch at every poll, and with shared
   slots those would keep the backfill paused for good.
@@ -203,7 +208,14 @@ def fetch_lag(consumer: KafkaConsumer, partitions: Iterable[TopicPartition]) -> 
     """Records fetched or fetchable but not yet taken: high watermark minus position,
     summed, from the consumer's own state (no request). Partitions not fetched yet
     (no high watermark) count zero."""
-    lag = 0
+    return sum(partition_lags(consumer, partitions).values())
+
+
+def partition_lags(
+    consumer: KafkaConsumer, partitions: Iterable[TopicPartition]
+) -> dict[TopicPartition, int]:
+    """`fetch_lag` per partition."""
+    lags = {}
     for tp in partitions:
         try:
             highwater = consumer.highwater(tp)
@@ -212,21 +224,55 @@ def fetch_lag(consumer: KafkaConsumer, partitions: Iterable[TopicPartition]) -> 
             position = consumer.position(tp, timeout_ms=0)
         except Exception:  # unassigned meanwhile, or no position yet
             continue
-        if position is not None and highwater > position:
-            lag += highwater - position
-    return lag
+        if position is not None:
+            lags[tp] = max(0, highwater - position)
+    return lags
+
+
+class FairShare:
+    """Every backfill partition with records to read advances, none waits for another.
+
+    kafka-python hands a poll's records out of one partition's fetch (up to
+    max_partition_fetch_bytes, thousands of short records) before the next
+    partition's; at backfill's pace, and with polls capped at one short backfill
+    batch, the other partitions' lag stood still for minutes. So the records taken
+    from each lagging partition are counted, and a partition a `quantum` ahead of
+    the one furthest behind is paused until that one catches up (kafka-python keeps
+    what it had fetched of it). The counts start again whenever the set of lagging
+    partitions changes, so a partition that was idle gets no credit to spend.
+    """
+
+    def __init__(self) -> None:
+        self._lagging: frozenset[TopicPartitionKey] = frozenset()
+        self._taken: collections.Counter[TopicPartitionKey] = collections.Counter()
+
+    def took(self, key: TopicPartitionKey, records: int) -> None:
+        if key in self._lagging:
+            self._taken[key] += records
+
+    def ahead(self, lags: dict[TopicPartition, int], quantum: int) -> set[TopicPartition]:
+        """The lagging partitions to pause now, given each one's lag."""
+        lagging = {(tp.topic, tp.partition): tp for tp, lag in lags.items() if lag > 0}
+        if frozenset(lagging) != self._lagging:
+            self._lagging = frozenset(lagging)
+            self._taken = collections.Counter()
+        if len(lagging) < 2:
+            return set()
+        floor = min(self._taken[key] for key in lagging)
+        return {tp for key, tp in lagging.items() if self._taken[key] - floor >= quantum}
 
 
 class TierQueue(queue.Queue):
     """The embed stage's inbox: nearline batches first, each tier FIFO.
 
-    Not twice in a row while a backfill batch waits, though: with strict priority,
-    a nearline trickle on a busy CPU keeps the embed stage on one small nearline
-    batch after another (each pass has a fixed cost) and the backfill gets nothing.
-    Alternating when both wait costs a nearline record at most one backfill batch
-    (about --backfill-batch-ms), and the nearline records arriving meanwhile make one
-    batch (the worker closes a new nearline batch only once the one waiting here
-    has been taken, `nearline_waiting`), not many small ones.
+    Strict priority: a backfill batch is taken only when no nearline batch waits,
+    and a backfill batch being embedded gives way to the nearline batches that
+    arrive meanwhile between its forward passes (`take_nearline`, the embed stage's
+    `urgent`), so a nearline record waits for at most one pass per replica of
+    backfill work, however slow the CPU has become. Backfill progresses whenever
+    nearline leaves the CPU free: the worker closes a new nearline batch only once
+    the one waiting here has been taken (`nearline_waiting`), so a trickle on a
+    busy CPU makes few batches, not one per poll.
 
     A partition has one tier and a batch one tier, so every partition's batches
     still leave in the order they came.
@@ -239,7 +285,6 @@ class TierQueue(queue.Queue):
     def _init(self, maxsize: int) -> None:
         self._first: collections.deque[Any] = collections.deque()
         self._later: collections.deque[Any] = collections.deque()
-        self._took_backfill = True  # so nearline goes first
 
     def _qsize(self) -> int:
         return len(self._first) + len(self._later)
@@ -248,11 +293,16 @@ class TierQueue(queue.Queue):
         (self._later if self._is_backfill(item) else self._first).append(item)
 
     def _get(self) -> Any:
-        if self._first and (self._took_backfill or not self._later):
-            self._took_backfill = False
-            return self._first.popleft()
-        self._took_backfill = True
-        return self._later.popleft()
+        return (self._first or self._later).popleft()
+
+    def take_nearline(self) -> Any | None:
+        """The first nearline batch waiting, taken; None when none waits (no wait)."""
+        with self.not_empty:
+            if not self._first:
+                return None
+            item = self._first.popleft()
+            self.not_full.notify()
+            return item
 
     def nearline_waiting(self) -> bool:
         """Whether a nearline batch waits here, not yet taken by the embed stage."""

@@ -459,6 +459,8 @@ class Worker:
             assert self._consumer is not None and self._committer is not None
             self._last_lag_update = now
             update_lag(self.metrics, self._consumer, self._committer.committed)
+            self.metrics.queue_depth.labels("embed").set(self._embed_q.qsize())
+            self.metrics.queue_depth.labels("write").set(self._write_q.qsize())
 
     # -- rebalances and positions ---------------------------------------------------
 
@@ -560,6 +562,8 @@ class Worker:
                 self._consumer.close(autocommit=False, timeout_ms=10_000)
             except Exception as exc:  # closing is best effort: outputs are already safe
                 log.warning("closing the consumer: %s", exc)
+            if self._reader is not None:
+                self._reader.rebalances.closed(self.ownership.events())
         self.dead_letter.close()
         if self.cache is not None:
             self.cache.close()

@@ -13,17 +13,23 @@ produced at `--rate` records/s, each stamped when sent, until the backfill is al
 in the output (or `--max-seconds`). A record is visible when a published Parquet segment holding
 it appears in the output (listed every 50 ms). The report, side by side: nearline
 produce-to-visible p50/p99/max, the backfill's records/s (from the first poll to the
-last backfill row visible) and seconds, how often backfill waited (tiers), and the
-load average, since the machine may be shared.
+last backfill row visible) and seconds, how often backfill waited (tiers), the
+longest time any backfill partition went without a row becoming visible while it
+still had records (fair backfill: every partition advances), and the load average,
+since the machine may be shared.
+
+`--busy 0,1` runs every variant on a quiet host and again beside that many processes
+each keeping a core busy (a squeezed CPU), side by side in the one report.
 
     .venv/bin/python scripts/priority_bench.py [--backfill 50000] [--rate 20]
-        [--variants tiers,no-tiers] [--model default] [--precision fp32]
+        [--variants tiers,no-tiers] [--busy 0] [--model default] [--precision fp32]
         [--extra "--cache off"] [--max-seconds 1800] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -41,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from harness import broker  # noqa: E402
 from harness.numbers import pct  # noqa: E402
 from harness.watchers import Visibility  # noqa: E402
-from harness.worker import free_port, scrape  # noqa: E402
+from harness.worker import Busy, free_port, scrape  # noqa: E402
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
 from pipeline.core.corpus import sample_texts  # noqa: E402
@@ -67,8 +73,37 @@ def publish(
     broker.publish(kafka, topic, values, partitions, acks=1)
 
 
+def partition_stalls(
+    seen: dict[str, float], backfill: int, partitions: int, started: float, ended: float
+) -> dict[str, list[Any]]:
+    """Per backfill partition (record n went to partition n % partitions): rows visible,
+    and the longest time without a new row while the partition still had records to
+    give (from the first poll to its last row, or to the end of the run)."""
+    times: list[list[float]] = [[] for _ in range(partitions)]
+    for record_id, at in seen.items():
+        if record_id.startswith("bf-"):
+            n = int(record_id[3:])
+            times[n % partitions].append(at)
+    total = [len(range(p, backfill, partitions)) for p in range(partitions)]
+    stall_s = []
+    for p, ats in enumerate(times):
+        ats.sort()
+        # Visibility comes a segment at a time: gaps between distinct arrival times.
+        points = [started, *sorted(set(ats))]
+        if len(ats) < total[p]:
+            points.append(ended)  # still records to give when the run ended
+        stall_s.append(max(b - a for a, b in itertools.pairwise(points)))
+    return {"rows": [len(ats) for ats in times], "stall_s": stall_s}
+
+
 def one_run(
-    kafka: KafkaSettings, args: Any, name: str, corpus: str, backfill: int, work: Path
+    kafka: KafkaSettings,
+    args: Any,
+    name: str,
+    corpus: str,
+    backfill: int,
+    work: Path,
+    busy: int = 0,
 ) -> dict[str, Any]:
     live = broker.new_topic(kafka, args.partitions, prefix="prio-live")
     output = work / name
@@ -80,11 +115,12 @@ def one_run(
         "--device", args.device, "--no-progress", "--metrics-port", str(port),
         *shlex.split(args.extra),
     ]  # fmt: skip
-    log_path = work / f"{name}.log"
+    log_path = work / f"{name}-busy{busy}.log"
     log = open(log_path, "w")  # noqa: SIM115
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    worker = subprocess.Popen(command, stdout=log, stderr=log, env=env)
     load_before = os.getloadavg()
+    squeeze = Busy(busy).__enter__()
+    worker = subprocess.Popen(command, stdout=log, stderr=log, env=env)
     pool = texts_for(2000, seed=11)
     sent: dict[str, float] = {}
     try:
@@ -126,13 +162,16 @@ def one_run(
     finally:
         worker.terminate()
         worker.wait(timeout=120)
+        load_after = os.getloadavg()
+        squeeze.__exit__(None, None, None)
         log.close()
-    load_after = os.getloadavg()
     latencies = sorted(seen[i] - t for i, t in sent.items() if i in seen)
     backfill_times = sorted(t for i, t in seen.items() if i.startswith("bf-"))
     span = backfill_times[-1] - started if backfill_times else None
+    stalls = partition_stalls(seen, backfill, args.partitions, started, time.time())
     result = {
         "variant": name,
+        "busy": busy,
         "nearline_records": len(sent),
         "nearline_not_visible": len(sent) - len(latencies),
         "p50_s": pct(latencies, 50),
@@ -142,6 +181,8 @@ def one_run(
         "backfill_seconds": span,
         "backfill_records_per_s": len(backfill_times) / span if span else None,
         "backfill_waits": metrics.get("pipeline_backfill_pauses_total"),
+        "backfill_partition_rows": stalls["rows"],
+        "backfill_longest_stall_s": max(stalls["stall_s"]) if stalls["stall_s"] else None,
         "backfill_batch_records": metrics.get("pipeline_backfill_batch_records"),
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in load_after],
@@ -156,6 +197,12 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=20.0, help="nearline records/s")
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--variants", default="tiers,no-tiers")
+    parser.add_argument(
+        "--busy",
+        default="0",
+        help="comma-separated counts of busy processes (each spinning one core) to run "
+        "every variant beside, e.g. 0,1",
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--device", default="cpu")
@@ -182,10 +229,11 @@ def main() -> int:
     results = []
     try:
         with tempfile.TemporaryDirectory(prefix="priority-") as work:
-            for name in names:
-                result = one_run(kafka, args, name, corpus, args.backfill, Path(work))
-                results.append(result)
-                print(_line(result), flush=True)
+            for busy in [int(b) for b in args.busy.split(",") if b]:
+                for name in names:
+                    result = one_run(kafka, args, name, corpus, args.backfill, Path(work), busy)
+                    results.append(result)
+                    print(_line(result), flush=True)
     finally:
         broker.delete(kafka, [corpus], [])
     print(
@@ -204,12 +252,16 @@ def _line(r: dict[str, Any]) -> str:
         return "-".rjust(width) if v is None else f"{v:{width}.2f}"
 
     rate = r["backfill_records_per_s"]
+    stall = r["backfill_longest_stall_s"]
     return (
-        f"  {r['variant']:<9} nearline p50 {fmt(r['p50_s'])}s p99 {fmt(r['p99_s'])}s "
+        f"  {r['variant']:<9} busy {r['busy']} nearline p50 {fmt(r['p50_s'])}s "
+        f"p99 {fmt(r['p99_s'])}s "
         f"max {fmt(r['max_s'])}s ({r['nearline_records']} records, "
         f"{r['nearline_not_visible']} not visible) | backfill "
         f"{'-' if rate is None else f'{rate:,.1f}'} records/s, {r['backfill_visible']} in "
-        f"{fmt(r['backfill_seconds'], 1)}s, waited {r['backfill_waits'] or 0:g}x | "
+        f"{fmt(r['backfill_seconds'], 1)}s, waited {r['backfill_waits'] or 0:g}x, "
+        f"rows per partition {r['backfill_partition_rows']}, longest partition stall "
+        f"{fmt(stall, 1)}s | "
         f"load {r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f}"
     )
 

@@ -116,3 +116,29 @@ def test_partitions_given_up_while_a_commit_is_out_do_not_come_back() -> None:
     committer.add_position(B, 9, 1)  # a position of an epoch gone: not owned now
     committer.commit(0.0)
     assert len(coordinator.sent) == 1 and not committer.has_pending
+
+
+def test_commits_failing_in_a_rebalance_log_no_warning_and_others_one_per_streak(
+    caplog: Any,
+) -> None:
+    import logging
+
+    committer, coordinator, ownership = make(retry_s=0.0)
+    caplog.set_level(logging.DEBUG, logger="consumers.committer")
+    now = 100.0
+    for error in (kerrors.RebalanceInProgressError(), kerrors.CommitFailedError()) * 5:
+        committer.add(published(ownership, int(now), a=int(now)))
+        committer.commit(now)
+        coordinator.sent[-1][1].failure(error)
+        now += 1.0
+        committer.commit(now)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [] and committer.failures == 10
+    for _ in range(20):  # a broker that keeps refusing, for 20 s: told once, not 20 times
+        committer.add(published(ownership, int(now), a=int(now)))
+        committer.commit(now)
+        coordinator.sent[-1][1].failure(kerrors.KafkaTimeoutError())
+        now += 1.0
+        committer.commit(now)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "KafkaTimeoutError" in warnings[0]

@@ -193,7 +193,7 @@ def test_a_damaged_last_segment_behind_the_commit_is_read_again_by_the_next_owne
         publish_json(broker, topic, corpus_records(10, seed=1), partitions=1)
         _wait_for(lambda: committed_offsets(broker, group_id, topic) == {0: 110}, "commit 110")
         assert stop(second) == 0, second_log.read_text()[-3000:]
-        assert "reading from: " + f"{topic}[0]@96" in second_log.read_text()
+        assert f"assigned {topic}[0]@96;" in second_log.read_text()
     finally:
         for proc in (first, locals().get("second")):
             if proc is not None and proc.poll() is None:

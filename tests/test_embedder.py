@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import random
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +203,34 @@ def test_replicas_give_the_same_vectors_as_one(embedder: Embedder, texts: list[s
         two.close()
     assert stats.forward_passes > 2  # several passes, so both replicas ran some
     assert cosines(one_vectors, two_vectors).min() > 0.99999
+
+
+def test_work_between_passes_runs_with_each_replica_one_pass_ahead(
+    embedder: Embedder, texts: list[str]
+) -> None:
+    two = embedder.with_replicas(2, 1)
+    tokens = embedder.tokenize(texts[:200])
+    started: list[int] = []
+    outstanding: list[int] = []
+
+    def between() -> None:
+        # Work done here (a nearline batch) must not wait behind the whole batch:
+        # at most `replicas` passes of it are out when this runs.
+        outstanding.append(two._pool._work_queue.qsize())
+        started.append(len(started))
+        embedded, _ = two.embed_tokens(embedder.tokenize(texts[:3]))  # urgent work, nested
+        assert embedded.shape == (3, two.info.dim)
+        time.sleep(0.002)
+
+    try:
+        plain, _ = two.embed_tokens(tokens)
+        yielded, stats = two.embed_tokens(tokens, between_passes=between)
+    finally:
+        two.close()
+    assert len(started) == stats.forward_passes > 2
+    assert max(outstanding) <= 2
+    assert stats.yielded_s >= 0.002 * stats.forward_passes
+    assert cosines(plain, yielded).min() > 0.99999  # rows still in input order
 
 
 # ------------------------------------------------------------------ parity

@@ -19,6 +19,7 @@ def test_the_pinned_release_has_every_internal_the_pipeline_touches() -> None:
     try:
         assert internals.missing(consumer) == []
         assert internals.heard_by_group(consumer)  # never joined: nothing expired
+        assert internals.rejoining(consumer) is False  # not subscribed: no group to join
     finally:
         consumer.close(autocommit=False, timeout_ms=100)
 
@@ -27,11 +28,13 @@ def test_a_client_without_them_is_named_and_done_without(caplog) -> None:
     other = SimpleNamespace(_coordinator=SimpleNamespace(), _fetcher=SimpleNamespace())
     assert internals.missing(other) == [
         "_coordinator.heartbeat.session_timeout_expired",
+        "_coordinator.need_rejoin",
         "_fetcher._paused_partition_records",
         "_fetcher._next_partition_records",
         "_fetcher.PartitionRecords",
     ]
     internals.check(other)
-    assert sum("the worker does without it" in r.getMessage() for r in caplog.records) == 4
+    assert sum("the worker does without it" in r.getMessage() for r in caplog.records) == 5
     assert internals.heard_by_group(other)
+    assert not internals.rejoining(other)
     assert not internals.unpark_resumed(other)

@@ -19,6 +19,7 @@ from kafka.structs import OffsetAndMetadata
 
 from pipeline.cli import main
 from pipeline.core.errors import BrokerUnavailable, ConfigError, TopicMissing
+from pipeline.kafka.cluster import GroupInfo, GroupMember
 from pipeline.kafka.offsets import (
     DATETIME,
     EARLIEST,
@@ -26,17 +27,20 @@ from pipeline.kafka.offsets import (
     SHIFT,
     GroupActive,
     ResetMode,
+    ResetResult,
     TopicSpec,
     choose_mode,
     parse_datetime,
     parse_topic_spec,
     plan_partition,
+    render_table,
 )
 from tests.helpers import committed_offsets
 from tests.test_errors import UNREACHABLE, error_line, pipeline
 
 T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z, in ms (for the units)
 MINUTE = 60_000
+HEADER = ["TOPIC", "PARTITION", "CURRENT-OFFSET", "NEW-OFFSET", "CHANGE", "NOTE"]
 # Records on the broker are stamped within the last hour: the dev broker's 24-hour
 # time retention deletes older ones whenever its retention check happens to run.
 BASE = (int(time.time() * 1000) - 60 * MINUTE) // MINUTE * MINUTE
@@ -85,6 +89,16 @@ def topic(broker: str, make_topic: Callable[..., str]) -> str:
     name = make_topic(2)
     fill(broker, name, {0: 6, 1: 4})
     return name
+
+
+def admin_offsets(broker: str, group: str) -> dict[TopicPartition, int]:
+    """The group's committed offsets as a plain admin client reads them."""
+    admin = KafkaAdminClient(bootstrap_servers=broker)
+    try:
+        listed = admin.list_group_offsets({group: None})[group]
+        return {tp: meta.offset for tp, meta in listed.items() if meta.offset >= 0}
+    finally:
+        admin.close()
 
 
 @contextmanager
@@ -185,6 +199,18 @@ def test_plan_clamps_into_earliest_and_end() -> None:
     assert past.new == 10 and "no record" in past.note
 
 
+def test_dry_run_summary_says_the_reset_would_refuse() -> None:
+    plan = [plan_partition(TopicPartition("t", 0), ResetMode(EARLIEST), 5, 2, 10)]
+    assert plan[0].change == -3 and "-3" in render_table(ResetResult("g", plan, False))
+    members = tuple(GroupMember(f"w{i}", "10.0.0.1") for i in range(7))
+    busy = ResetResult("g", plan, committed=False, active=GroupInfo("Stable", members)).summary()
+    assert busy.startswith("dry run: nothing changed (group g, 1 partition(s)); ")
+    assert "7 active member(s) (w0@10.0.0.1, " in busy and "w4@10.0.0.1 and 2 more" in busy
+    assert "the reset without --dry-run will refuse until they stop" in busy
+    moving = ResetResult("g", plan, committed=False, active=GroupInfo("PreparingRebalance", ()))
+    assert "g is PreparingRebalance, not Empty: the reset without --dry-run" in moving.summary()
+
+
 # ------------------------------------------------------------------ the five modes
 
 
@@ -266,17 +292,19 @@ def test_dry_run_changes_nothing(broker: str, topic: str, group_id: str) -> None
 
     assert committed_offsets(broker, group_id, topic) == {0: 3, 1: None}
     lines = shown.stdout.splitlines()
-    assert lines[0].split()[:4] == ["TOPIC", "PARTITION", "CURRENT-OFFSET", "NEW-OFFSET"]
-    assert lines[1].split() == [topic, "0", "3", "6"]
-    assert lines[2].split() == [topic, "1", "-", "4"]
+    assert lines[0].split() == HEADER
+    assert lines[1].split() == [topic, "0", "3", "6", "+3"]
+    assert lines[2].split() == [topic, "1", "-", "4", "-"]
     assert lines[-1].startswith("dry run: nothing changed")
+    assert "member" not in lines[-1]
 
     as_json = ok(
         reset(broker, "--group", group_id, "--topic", topic, "--to-earliest", "--dry-run", "--json")
     )
-    assert [(r["partition"], r["current"], r["new"]) for r in json.loads(as_json.stdout)] == [
-        (0, 3, 0),
-        (1, None, 0),
+    rows = json.loads(as_json.stdout)
+    assert [(r["partition"], r["current"], r["new"], r["change"]) for r in rows] == [
+        (0, 3, 0, -3),
+        (1, None, 0, None),
     ]
     assert committed_offsets(broker, group_id, topic) == {0: 3, 1: None}
 
@@ -298,6 +326,40 @@ def test_refused_while_the_group_has_a_member(broker: str, topic: str, group_id:
     done = pipeline(*args, bootstrap=broker)
     assert done.returncode == 0, done.stderr
     assert committed_offsets(broker, group_id, topic) == {0: 0, 1: 0}
+
+
+@pytest.mark.integration
+def test_dry_run_with_a_live_member_shows_the_plan(broker: str, topic: str, group_id: str) -> None:
+    commit(broker, group_id, topic, {0: 3, 1: 1})
+    args = ("offsets", "reset", "--group", group_id, "--topic", topic, "--to-earliest")
+    before = {TopicPartition(topic, 0): 3, TopicPartition(topic, 1): 1}
+
+    with live_member(broker, group_id, topic):
+        assert admin_offsets(broker, group_id) == before
+        shown = pipeline(*args, "--dry-run", bootstrap=broker)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        lines = shown.stdout.splitlines()
+        assert lines[0].split() == HEADER
+        assert lines[1].split() == [topic, "0", "3", "0", "-3"]
+        assert lines[2].split() == [topic, "1", "1", "0", "-1"]
+        closing = lines[-1]
+        assert closing.startswith("dry run: nothing changed"), shown.stdout
+        assert "the group has 1 active member(s) (reset-test-worker@127.0.0.1" in closing
+        assert "the reset without --dry-run will refuse until they stop" in closing
+        assert admin_offsets(broker, group_id) == before
+
+        as_json = ok(reset(broker, *args[2:], "--dry-run", "--json"))
+        rows = json.loads(as_json.stdout)
+        assert [(r["current"], r["new"], r["change"]) for r in rows] == [(3, 0, -3), (1, 0, -1)]
+        assert "1 active member(s)" in as_json.stderr
+        assert admin_offsets(broker, group_id) == before
+
+        # The reset itself still refuses, with the same one line as ever.
+        refused = pipeline(*args, bootstrap=broker)
+        line = error_line(refused, GroupActive)
+        assert f"group {group_id} has 1 active member(s) (reset-test-worker@127.0.0.1" in line
+        assert "stop its workers (pipeline run) first" in line
+        assert admin_offsets(broker, group_id) == before
 
 
 @pytest.mark.integration

@@ -211,16 +211,24 @@ def test_a_damaged_last_segment_is_moved_aside_and_read_again(world, tmp_path: P
     ]
 
 
-def test_revocation_waits_for_in_flight_work_but_a_loss_does_not(world) -> None:
+def test_revocation_waits_for_embedded_work_but_a_loss_does_not(world) -> None:
     consumer, ownership, _ = world
     listener = Listener(ownership, revoke_timeout_s=5)
-    assign(consumer, ownership, 0, 1)
+    assign(consumer, ownership, 0, 1, 2)
     ownership.in_flight.started(1, [(T, 0)])
+    ownership.in_flight.embedded(1)  # being written: published within moments
+    ownership.in_flight.started(3, [(T, 0), (T, 2)])  # not embedded yet: not waited for
     threading.Timer(0.3, ownership.in_flight.finished, args=(1,)).start()
     started = time.monotonic()
     listener.on_partitions_revoked({TopicPartition(T, 0)})
     assert 0.2 < time.monotonic() - started < 4
-    assert ownership.owned() == {(T, 1)}
+    assert ownership.owned() == {(T, 1), (T, 2)}
+    # Batch 3 goes on for (T, 2); nothing of it is published for (T, 0) any more.
+    assert not ownership.owns((T, 0), 1)
+    started = time.monotonic()
+    listener.on_partitions_revoked({TopicPartition(T, 2)})
+    assert time.monotonic() - started < 0.2  # batch 3 is still being embedded
+    ownership.in_flight.finished(3)
 
     ownership.in_flight.started(2, [(T, 1)])
     started = time.monotonic()
@@ -228,7 +236,7 @@ def test_revocation_waits_for_in_flight_work_but_a_loss_does_not(world) -> None:
     assert time.monotonic() - started < 0.2  # another member may own it already
     assert ownership.owned() == set()
     changes = [e.change for e in ownership.events()]
-    assert changes == [Change.ASSIGNED, Change.REVOKED, Change.LOST]
+    assert changes == [Change.ASSIGNED, Change.REVOKED, Change.REVOKED, Change.LOST]
 
 
 def test_waiting_for_room_ends_when_a_batch_is_published_not_at_the_timeout(world) -> None:
@@ -263,3 +271,62 @@ def test_records_polled_before_a_partition_was_sought_are_not_taken(world, tmp_p
     assert applied.started[(T, 0)] == 328
     assert applied.unchanged(polled) == {TopicPartition(T, 7): ["other"]}
     assert reader.apply().unchanged(polled) == polled  # nothing changed since
+
+
+# -- one line per rebalance ----------------------------------------------------------------
+
+
+def test_a_rebalance_is_one_line_that_the_chaos_harness_reads_back(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    import logging
+    import subprocess
+    import sys
+
+    from consumers.partitions import Change, Event, RebalanceLog
+
+    now = [100.0]
+    rebalances = RebalanceLog(clock=lambda: now[0])
+    rejoining = type("C", (), {"_coordinator": type("K", (), {"need_rejoin": lambda s: flag[0]})()})
+    flag = [False]
+    with caplog.at_level(logging.DEBUG, logger="consumers.partitions"):
+        now[0] = 103.25  # subscribed at 100: the first join took 3.25 s
+        rebalances.applied(
+            [Event(Change.ASSIGNED, frozenset({("t", 0), ("t", 1), ("t", 2)}))],
+            set(),
+            {("t", 0): 5, ("t", 1): 0, ("t", 2): 7},
+        )
+        now[0] = 200.0
+        rebalances.watch(rejoining())  # no rebalance yet
+        flag[0] = True
+        now[0] = 210.0
+        rebalances.watch(rejoining())  # the heartbeat learnt of one
+        now[0] = 211.5
+        rebalances.applied(
+            [Event(Change.REVOKED, frozenset({("t", 2)}))], {("t", 0), ("t", 1), ("t", 2)}, {}
+        )
+        rebalances.closed([Event(Change.REVOKED, frozenset({("t", 0), ("t", 1)}))])
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "partitions joined the group in 3.2s: assigned t[0]@5 t[1]@0 t[2]@7; revoked none; "
+        "kept none",
+        "partitions rebalanced in 1.5s: assigned none; revoked t[2]; kept t[0] t[1]",
+        "partitions revoked at close: t[0] t[1]",
+    ]
+    # The chaos harness replays ownership from these lines (scripts/chaos/fleet.py).
+    log = tmp_path / "worker.log"
+    log.write_text("\n".join(f"12:00:00 INFO consumers.partitions: {line}" for line in lines[:2]))
+    script = (
+        "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path;"
+        "from chaos.fleet import WorkerProc;"
+        f"w = WorkerProc('w', None, Path({str(log)!r}), False, 0.0, 1);"
+        "print(sorted(w.owned()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+    )
+    assert out.stdout.strip() == "[('t', 0), ('t', 1)]"

@@ -294,21 +294,31 @@ def batch(topic: str, number: int) -> MicroBatch:
     return b
 
 
-def test_embed_queue_takes_nearline_first_alternating_while_backfill_waits() -> None:
+def test_embed_queue_takes_nearline_first_each_tier_in_order() -> None:
     q = TierQueue(10, batch_is_backfill(make_tiers()))
     for item in (batch(CORPUS, 1), batch(CORPUS, 2), batch(LIVE, 3), batch(CORPUS, 4)):
         q.put(item)
     q.put(batch(LIVE, 5))
     assert q.qsize() == 5 and q.nearline_waiting()
-    # Nearline first, never twice in a row while backfill waits; each tier in order.
-    assert [q.get().number for _ in range(3)] == [3, 1, 5]
+    # Every nearline batch before any backfill one; each tier in the order it came.
+    assert [q.get().number for _ in range(3)] == [3, 5, 1]
     assert not q.nearline_waiting()
     q.put(batch(LIVE, 6))
-    q.put(batch(LIVE, 7))
-    assert [q.get().number for _ in range(4)] == [2, 6, 4, 7]
-    q.put(batch(LIVE, 8))
-    q.put(batch(LIVE, 9))
-    assert [q.get().number for _ in range(2)] == [8, 9]  # no backfill waits: nearline only
+    assert [q.get().number for _ in range(3)] == [6, 2, 4]
+    assert q.qsize() == 0
+
+
+def test_a_backfill_batch_takes_only_nearline_batches_out_of_the_queue() -> None:
+    q = TierQueue(3, batch_is_backfill(make_tiers()))
+    q.put(batch(CORPUS, 1))
+    assert q.take_nearline() is None  # a backfill batch never jumps ahead this way
+    q.put(batch(LIVE, 2))
+    q.put(batch(LIVE, 3))
+    assert q.full()
+    assert q.take_nearline().number == 2
+    q.put(batch(LIVE, 4), timeout=1)  # the slot it freed is free to the producer
+    assert [q.take_nearline().number, q.take_nearline().number] == [3, 4]
+    assert q.take_nearline() is None and q.get().number == 1
 
 
 def test_in_flight_batches_are_counted_per_tier() -> None:
@@ -492,3 +502,82 @@ def test_status_table_shows_tiers_only_for_tiered_groups() -> None:
     assert table[1].split()[-1] == "TIER"
     assert table[2].split()[-1] == NEARLINE
     assert table[3].endswith("backfill (waits for nearline)")
+
+
+# -- a backfill batch gives way between its passes -----------------------------------------
+
+
+def texts_batch(embedder: Any, topic: str, number: int, texts: list[str]) -> MicroBatch:
+    b = MicroBatch(number=number)
+    tokens = embedder.tokenize(texts)
+    for offset, (text, ids) in enumerate(zip(texts, tokens.ids, strict=True)):
+        source = SourceRecord(topic, 0, offset, 0, None, b"")
+        b.good.append(GoodRecord(source, text, None, None))
+        b.token_ids.append(ids)
+    b.ranges[(topic, 0)] = [0, len(texts) - 1]
+    return b
+
+
+def test_a_nearline_batch_overtakes_the_backfill_batch_being_embedded(tiny_model: str) -> None:
+    import queue
+    import threading
+
+    import numpy as np
+
+    from consumers.stages import EmbedStage
+    from pipeline.core.metrics import WorkerMetrics
+    from pipeline.model.embedder import Embedder
+
+    # A small token budget: the backfill batch takes many passes.
+    embedder = Embedder.load(tiny_model, precision="fp32", device="cpu", sub_batch_tokens=64)
+    inbox = TierQueue(4, batch_is_backfill(make_tiers()))
+    outbox: queue.Queue[Any] = queue.Queue()
+    stage = EmbedStage(inbox, outbox, threading.Event(), embedder, WorkerMetrics())
+    backfill = texts_batch(embedder, CORPUS, 1, [f"backfill text number {i}" for i in range(60)])
+    nearline = texts_batch(embedder, LIVE, 2, ["a nearline record", "and another"])
+    calls = []
+
+    def urgent() -> MicroBatch | None:
+        calls.append(len(calls))
+        if len(calls) == 2:  # arrives while the backfill batch is under way
+            inbox.put(nearline)
+        return inbox.take_nearline()
+
+    stage.yields = batch_is_backfill(make_tiers())
+    stage.urgent = urgent
+    try:
+        expected, _ = embedder.embed_tokens(backfill.tokenized())
+        stage.handle(backfill)
+    finally:
+        embedder.close()
+    first, second = outbox.get_nowait(), outbox.get_nowait()
+    assert (first.batch.number, second.batch.number) == (2, 1)
+    assert second.stats.forward_passes > 3 and len(calls) >= second.stats.forward_passes
+    assert np.allclose(second.vectors, expected, atol=1e-6)  # unchanged by the interruption
+
+
+# -- fair backfill ---------------------------------------------------------------------
+
+
+def test_fair_share_pauses_the_partition_ahead_until_the_others_catch_up() -> None:
+    from consumers.tiers import FairShare
+
+    a, b, c = (TopicPartition(CORPUS, p) for p in range(3))
+    fair = FairShare()
+    lags = {a: 5000, b: 5000, c: 0}  # c has nothing to read: it holds nobody back
+    assert fair.ahead(lags, 64) == set()
+    fair.took((CORPUS, 0), 64)  # one fetch's records come from one partition at a time
+    assert fair.ahead(lags, 64) == {a}
+    fair.took((CORPUS, 1), 40)  # a is less than a quantum ahead now: both read
+    assert fair.ahead(lags, 64) == set()
+    fair.took((CORPUS, 1), 100)  # b is a quantum past a: b waits, a reads
+    assert fair.ahead(lags, 64) == {b}
+    # A partition that was idle and now has records starts level, with no credit.
+    lags[c] = 10
+    assert fair.ahead(lags, 64) == set()
+    fair.took((CORPUS, 2), 64)
+    assert fair.ahead(lags, 64) == {c}
+    # One lagging partition alone is never paused, whatever it took.
+    assert fair.ahead({a: 1, b: 0, c: 0}, 64) == set()
+    fair.took((CORPUS, 0), 10_000)
+    assert fair.ahead({a: 1, b: 0, c: 0}, 64) == set()

@@ -59,7 +59,12 @@ def offsets() -> None:
     help="The committed offset plus N (negative: back), clamped into [earliest, end]; "
     "from earliest where nothing is committed.",
 )
-@click.option("--dry-run", is_flag=True, help="Show the new offsets, change nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (each partition's current and new offset, and the change) and "
+    "change nothing; also while the group has members.",
+)
 @click.option(
     "--json",
     "as_json",
@@ -84,15 +89,16 @@ def offsets_reset(
     Give exactly one of --to-earliest, --to-latest, --to-datetime, --to-offset,
     --shift-by. New offsets are clamped into each partition's [earliest, end]
     range (the NOTE column says where). Refused while the group has members:
-    stop its workers first. A group that does not exist yet gets its offsets.
+    stop its workers first (--dry-run still shows the plan, and the members).
+    A group that does not exist yet gets its offsets.
 
     A worker starts each partition past what its --output already holds; the
     committed offsets decide only where it starts a partition that output holds
     nothing of. To re-embed, reset, then run with a fresh --output (adding
     --from-committed unless the reset was to the earliest offsets).
 
-    Exit 0 when done (or shown, with --dry-run); 75 while the group has members,
-    66 for a missing topic, 69 when no broker answers.
+    Exit 0 when done (or shown, with --dry-run); 75 while the group has members
+    (not with --dry-run), 66 for a missing topic, 69 when no broker answers.
     """
     from pipeline.kafka import offsets as resets
 
@@ -117,8 +123,20 @@ def model() -> None:
 
 @model.command("check")
 @env_option("--model", default="default", show_default=True, help=MODEL_HELP)
-@env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@env_option("--dimensions", type=int, default=None, help="Matryoshka truncation, as for run.")
+@env_option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default="auto",
+    show_default=True,
+    help="Where the precisions are measured; auto: cuda when a GPU is available, else cpu "
+    "(the comparison with sentence-transformers runs on the CPU).",
+)
+@env_option(
+    "--dimensions",
+    type=int,
+    default=None,
+    help="Matryoshka truncation, as for run [default: the model's own, or all].",
+)
 @env_option("--document-prompt", default=None, help="As for run [default: the model's own].")
 @click.option(
     "--precision",
@@ -127,10 +145,28 @@ def model() -> None:
     type=click.Choice([p for p in PRECISIONS if p != "auto"]),
     help="Precision to check (repeatable) [default: all the device supports].",
 )
-@click.option("--samples", type=click.IntRange(min=20), default=512, show_default=True)
-@click.option("--min-cosine", type=float, default=0.995, show_default=True)
-@click.option("--min-recall", type=float, default=0.95, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=20),
+    default=512,
+    show_default=True,
+    help="Sample texts each precision embeds (English paragraphs from the stdlib).",
+)
+@click.option(
+    "--min-cosine",
+    type=float,
+    default=0.995,
+    show_default=True,
+    help="Gate: the mean cosine to fp32's vectors a precision needs to pass.",
+)
+@click.option(
+    "--min-recall",
+    type=float,
+    default=0.95,
+    show_default=True,
+    help="Gate: the neighbour recall@10 against fp32 a precision needs to pass.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def model_check(
     model: str,
     device: str,

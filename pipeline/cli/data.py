@@ -22,8 +22,20 @@ def topics() -> None:
 
 @topics.command("create")
 @click.argument("topic")
-@click.option("--partitions", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--replication-factor", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--partitions",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Partition count: how many workers of one group can share the topic.",
+)
+@click.option(
+    "--replication-factor",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Copies of each partition, at most the number of brokers.",
+)
 @click.pass_obj
 def topics_create(
     kafka: KafkaSettings, topic: str, partitions: int, replication_factor: int
@@ -42,21 +54,40 @@ def topics_create(
 @main.command()
 @click.argument("topic")
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
-@env_option("--text-field", default="text", show_default=True)
-@env_option("--id-field", default="id", show_default=True)
-@env_option("--key-field", default=None, help="Field whose value becomes the record key.")
+@env_option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    help="Field (JSONL key, CSV or Parquet column) holding the text; lines without a "
+    "non-empty one are bad. Plain text: each line's text is put in this field.",
+)
+@env_option(
+    "--id-field",
+    default="id",
+    show_default=True,
+    help="Field holding the record id; kept in the value as is (named as for `run`).",
+)
+@env_option(
+    "--key-field",
+    default=None,
+    help="Field whose value becomes the record key [default: no key, records spread "
+    "round-robin over the partitions].",
+)
 @env_option(
     "--format",
     "fmt",
     type=click.Choice(["auto", "jsonl", "csv", "parquet", "text"]),
     default="auto",
     show_default=True,
+    help="Format of FILES; auto: from each file's extension (.jsonl/.ndjson/.json, .csv, "
+    ".parquet/.pq, .txt/.text).",
 )
 @env_option(
     "--compression",
     type=click.Choice(["none", "gzip", "snappy", "lz4", "zstd"]),
     default="gzip",
     show_default=True,
+    help="Compression of the produced record batches.",
 )
 @env_option(
     "--skip-bad/--stop-on-bad",
@@ -64,7 +95,12 @@ def topics_create(
     show_default=True,
     help="Skip a bad input line (reported with its line number) or stop at it.",
 )
-@env_option("--progress/--no-progress", default=True, show_default=True)
+@env_option(
+    "--progress/--no-progress",
+    default=True,
+    show_default=True,
+    help="A progress line on stderr: a live one on a terminal, else a log line every 10 s.",
+)
 @click.pass_obj
 def produce(
     kafka: KafkaSettings,

@@ -39,19 +39,38 @@ from pipeline.core.errors import ConfigError
     type=click.Choice(SECURITY_PROTOCOLS),
     default="PLAINTEXT",
     show_default=True,
+    help="How clients talk to the brokers (kafka-python's security_protocol).",
 )
-@env_option("--sasl-mechanism", type=click.Choice(SASL_MECHANISMS), default=None)
-@env_option("--sasl-username", default=None)
-@env_option("--sasl-password", default=None, help="Prefer the environment variable.")
-@env_option("--ssl-cafile", default=None)
-@env_option("--ssl-certfile", default=None)
-@env_option("--ssl-keyfile", default=None)
-@env_option("--ssl-password", default=None)
+@env_option(
+    "--sasl-mechanism",
+    type=click.Choice(SASL_MECHANISMS),
+    default=None,
+    help="SASL mechanism; required with SASL_PLAINTEXT and SASL_SSL [default: none].",
+)
+@env_option("--sasl-username", default=None, help="SASL user name.")
+@env_option(
+    "--sasl-password",
+    default=None,
+    help="SASL password; prefer the environment variable (kept out of ps and shell history).",
+)
+@env_option(
+    "--ssl-cafile",
+    default=None,
+    help="CA certificates (PEM file) to verify the brokers with; the file must exist.",
+)
+@env_option("--ssl-certfile", default=None, help="Client certificate (PEM file), for mutual TLS.")
+@env_option("--ssl-keyfile", default=None, help="Private key (PEM file) of --ssl-certfile.")
+@env_option(
+    "--ssl-password",
+    default=None,
+    help="Password of an encrypted --ssl-keyfile; prefer the environment variable.",
+)
 @env_option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     default="INFO",
     show_default=True,
+    help="Log lines on stderr from this level up (libraries': from WARNING, INFO with DEBUG).",
 )
 @click.pass_context
 def main(ctx: click.Context, config_file: str | None, log_level: str, **kafka: Any) -> None:

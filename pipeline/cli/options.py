@@ -17,6 +17,14 @@ MODEL_HELP = (
     "extra), a local sentence-transformers or Hugging Face folder, or a hub id."
 )
 
+# Every command that takes --output says the same: where it is, and what it may be.
+OUTPUT_METAVAR = "DIR|s3://BUCKET/PREFIX"
+OUTPUT_HELP = (
+    "The output: a local directory, or s3://bucket/prefix on an S3-compatible store "
+    "(endpoint from PIPELINE_S3_ENDPOINT or AWS_ENDPOINT_URL, credentials from the "
+    "standard AWS chain)."
+)
+
 F = Callable[..., Any]
 
 
@@ -42,6 +50,13 @@ class OutputPath(click.Path):
 
 
 OUTPUT = OutputPath()
+
+
+def output_option(help: str = OUTPUT_HELP, **kwargs: Any) -> Callable[[F], F]:
+    """`--output` (env PIPELINE_OUTPUT): a directory or s3://bucket/prefix, required
+    unless told otherwise. A `help` of its own should say both forms too."""
+    kwargs.setdefault("required", True)
+    return env_option("--output", type=OUTPUT, metavar=OUTPUT_METAVAR, help=help, **kwargs)
 
 
 def env_option(*decls: str, **kwargs: Any) -> Callable[[F], F]:

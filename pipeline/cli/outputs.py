@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.main import main
-from pipeline.cli.options import OUTPUT, env_option
+from pipeline.cli.options import OUTPUT_HELP, env_option, output_option
 from pipeline.core.config import (
     DEVICES,
 )
@@ -17,10 +17,23 @@ from pipeline.core.config import (
 
 
 @main.command()
-@env_option("--output", required=True, type=OUTPUT)
-@click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-@env_option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@output_option(help=f"{OUTPUT_HELP} Its index is searched, with the model it records.")
+@click.option(
+    "-k",
+    "k",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="How many nearest records to print.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
+@env_option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default="auto",
+    show_default=True,
+    help="Where QUERY is embedded; auto: cuda when a GPU is available, else cpu.",
+)
 @env_option(
     "--query-prompt",
     default=None,
@@ -50,16 +63,16 @@ def search(
 
 
 @main.command()
-@env_option("--output", required=True, type=OUTPUT)
+@output_option()
 @click.option(
     "--target-mb",
     type=click.IntRange(min=1),
     default=128,
     show_default=True,
-    help="Merged files grow up to this size; files of half of it or more stay as they are.",
+    help="MiB merged files grow up to; files of half of it or more stay as they are.",
 )
 @click.option("--dry-run", is_flag=True, help="Say what would be merged; change nothing.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def compact(output: Path, target_mb: int, dry_run: bool, as_json: bool) -> None:
     """Merge runs of small Parquet segments in OUTPUT into large ones.
 
@@ -97,7 +110,7 @@ def index() -> None:
 
 
 @index.command("rebuild")
-@env_option("--output", required=True, type=OUTPUT)
+@output_option()
 @click.option(
     "--index-type",
     type=click.Choice(["flat", "ivf", "ivf-pq"]),
@@ -133,13 +146,13 @@ def index_rebuild(output: Path, index_type: str) -> None:
 
 
 @index.command("check")
-@env_option("--output", required=True, type=OUTPUT)
+@output_option()
 @click.option(
     "--recall",
     is_flag=True,
     help="Also measure recall@10 against exact search now (reads every vector once).",
 )
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 def index_check(output: Path, recall: bool, as_json: bool) -> None:
     """Check the index against the Parquet files: every covered row once, nothing else.
 

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from pipeline.cli.main import main
-from pipeline.cli.options import MODEL_HELP, OUTPUT, F, env_option
+from pipeline.cli.options import MODEL_HELP, F, env_option, output_option
 from pipeline.core.config import (
     DEVICES,
     PRECISIONS,
@@ -31,11 +31,33 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @main.command()
 @env_option("--topic", "topic", multiple=True, required=True, help="Input topic (repeatable).")
 @env_option("--group", required=True, help="Consumer group id.")
-@env_option("--output", required=True, type=OUTPUT)
-@_run_option("--batch-size", type=int)
-@_run_option("--poll-timeout-ms", type=int)
-@_run_option("--max-batch-tokens", type=int)
-@_run_option("--max-batch-bytes", type=int, help="Bytes of record values per micro-batch.")
+@output_option(
+    help="Where the Parquet files and the FAISS index go: a local directory, or "
+    "s3://bucket/prefix on an S3-compatible store (endpoint from PIPELINE_S3_ENDPOINT, "
+    "credentials from the standard AWS chain).",
+)
+@_run_option(
+    "--batch-size",
+    type=int,
+    help="Records per micro-batch, at most (batches fill only under a backlog; a caught-up "
+    "worker closes them at once).",
+)
+@_run_option(
+    "--poll-timeout-ms",
+    type=int,
+    help="Milliseconds a micro-batch may wait to fill after its first record.",
+)
+@_run_option(
+    "--max-batch-tokens",
+    type=int,
+    help="Tokens (unpadded, after truncation to the model's length) per micro-batch, at most.",
+)
+@_run_option(
+    "--max-batch-bytes",
+    type=int,
+    help="Bytes of record values per micro-batch, at most (a larger record travels alone); "
+    "with --max-in-flight, what bounds the records a worker holds.",
+)
 @env_option(
     "--sub-batch-tokens",
     type=int,
@@ -43,9 +65,23 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     help="Padded tokens per forward pass [default: on the CPU, 12 MiB of the model's widest "
     "activation (2048 for all-MiniLM-L6-v2); 131072 on CUDA].",
 )
-@_run_option("--max-in-flight", type=int)
-@_run_option("--precision", type=click.Choice(PRECISIONS))
-@_run_option("--device", type=click.Choice(DEVICES))
+@_run_option(
+    "--max-in-flight",
+    type=int,
+    help="Micro-batches between poll and commit, at most; past it the worker pauses its "
+    "partitions.",
+)
+@_run_option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    help="Model precision; auto: the fastest that passes the quality gate against fp32 "
+    "(measured once per model and device, then remembered; see `pipeline model check`).",
+)
+@_run_option(
+    "--device",
+    type=click.Choice(DEVICES),
+    help="Where the model runs; auto: cuda when a GPU is available, else cpu.",
+)
 @_run_option("--model", help=MODEL_HELP)
 @env_option(
     "--document-prompt",
@@ -66,10 +102,19 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "model normalises (sentence-transformers' truncate_dim) [default: the model's own, or all].",
 )
 @env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
-@_run_option("--text-field")
-@_run_option("--id-field")
-@_run_option("--max-text-bytes", type=int)
-@env_option("--until-end", is_flag=True, help="Bulk mode: exit 0 at the end offsets at start.")
+@_run_option("--text-field", help="JSON field of the input records holding the text.")
+@_run_option("--id-field", help="JSON field of the input records holding the optional id.")
+@_run_option(
+    "--max-text-bytes",
+    type=int,
+    help="Texts over this many UTF-8 bytes are bad records (to the dead-letter topic).",
+)
+@env_option(
+    "--until-end",
+    is_flag=True,
+    help="Bulk mode: take the topics' end offsets at start; exit 0 once the group's "
+    "committed offsets reach them.",
+)
 @env_option(
     "--from-committed",
     is_flag=True,
@@ -86,25 +131,55 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option(
     "--backfill-batch-ms",
     type=int,
-    help="With --backfill-topic: backfill batches close at about this much embedding.",
+    help="With --backfill-topic: backfill batches close at about this many milliseconds of "
+    "embedding.",
 )
-@_run_option("--max-poll-interval-ms", type=int)
-@_run_option("--session-timeout-ms", type=int)
-@_run_option("--index-sync-interval-s", type=float)
+@_run_option(
+    "--max-poll-interval-ms",
+    type=int,
+    help="Kafka's max.poll.interval.ms: the longest gap between polls before the group "
+    "drops the worker.",
+)
+@_run_option(
+    "--session-timeout-ms",
+    type=int,
+    help="Kafka's session.timeout.ms: how long without heartbeats before the group drops a "
+    "worker (a killed one stays a member that long).",
+)
+@_run_option(
+    "--index-sync-interval-s",
+    type=float,
+    help="Seconds between FAISS index catch-ups during a run (it catches up fully at exit).",
+)
 @_run_option(
     "--compact-interval-s",
     type=float,
-    help="Merge small Parquet segments this often (pipeline compact); 0: never.",
+    help="Seconds between merges of small Parquet segments (pipeline compact); 0: never.",
 )
-@_run_option("--compact-target-mb", type=int, help="Size merged segments grow to.")
-@_run_option("--shutdown-timeout-s", type=float)
+@_run_option("--compact-target-mb", type=int, help="MiB that merged segments grow to.")
+@_run_option(
+    "--shutdown-timeout-s",
+    type=float,
+    help="Seconds SIGTERM or SIGINT waits for the batches in flight; past it, the uncommitted "
+    "ones are dropped (read again by the next worker).",
+)
 @_run_option(
     "--broker-timeout-s",
     type=float,
-    help="How long to keep retrying a cluster that does not answer before exiting.",
+    help="Seconds to keep retrying a cluster that does not answer before exiting.",
 )
-@env_option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
-@env_option("--progress/--no-progress", default=True, show_default=True)
+@env_option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve Prometheus metrics on this TCP port, all interfaces [default: none].",
+)
+@env_option(
+    "--progress/--no-progress",
+    default=True,
+    show_default=True,
+    help="With --until-end: a progress bar on a terminal, else a log line every 10 s.",
+)
 @_run_option(
     "--shapes",
     type=click.Choice(SHAPES),
@@ -141,14 +216,16 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     help="Embedding cache by content: off, lru (in-process), or redis://HOST:PORT/DB "
     "(shared by workers and runs; the LRU stays in front).",
 )
-@_run_option("--cache-size", help="In-process cache bound: entries (50000) or bytes (32MiB).")
+@_run_option("--cache-size", help="In-process cache bound: entries (50000) or bytes (32MiB, 1GB).")
 @env_option(
     "--cache-ttl-s",
     type=float,
     default=None,
     help="Expiry of vectors written to Redis [default: none; the server's eviction].",
 )
-@_run_option("--cache-timeout-ms", type=int, help="Redis socket timeouts (no retries).")
+@_run_option(
+    "--cache-timeout-ms", type=int, help="Redis connect and read timeout in ms (no retries)."
+)
 @click.pass_obj
 def run(
     kafka: KafkaSettings, topic: tuple[str, ...], backfill_topic: tuple[str, ...], **options: Any

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.main import main
-from pipeline.cli.options import OUTPUT, env_option
+from pipeline.cli.options import OUTPUT_HELP, env_option, output_option
 from pipeline.core.config import (
     KafkaSettings,
 )
@@ -18,13 +18,17 @@ from pipeline.core.config import (
 
 
 @main.command()
-@env_option("--group", required=True)
-@env_option("--topic", "topic", multiple=True, help="Limit to these topics (repeatable).")
+@env_option("--group", required=True, help="Consumer group id.")
 @env_option(
-    "--output",
-    type=OUTPUT,
+    "--topic",
+    "topic",
+    multiple=True,
+    help="Limit to these topics (repeatable) [default: the topics the group has commits for].",
+)
+@output_option(
+    required=False,
     default=None,
-    help="Also check that the output's segments account for every committed offset "
+    help=f"{OUTPUT_HELP} Also check that its segments account for every committed offset "
     "(verdict MISMATCH, exit 4, when not) and compare index entries with rows.",
 )
 @env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
@@ -68,8 +72,8 @@ def status(
 
 
 @main.command()
-@env_option("--output", required=True, type=OUTPUT)
-@env_option("--group", required=True)
+@output_option(help=f"{OUTPUT_HELP} Its Parquet rows are checked against the group's offsets.")
+@env_option("--group", required=True, help="Consumer group id.")
 @env_option(
     "--topic",
     "topic",

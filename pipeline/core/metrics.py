@@ -2,11 +2,60 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _SIZE_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288)
+# High watermarks remembered per partition for its lag in seconds; past this many, every
+# other one is dropped (the figure can then only come out lower, never higher).
+_LAG_CLOCK_ENTRIES = 256
+
+PartitionKey = tuple[str, int]
+
+
+class LagClock:
+    """When this worker first saw each stretch of a partition's offsets exist.
+
+    Each observation of a higher high watermark is remembered with its time: the
+    records below it were known to exist then. The oldest record not yet committed
+    (the one at the committed offset) was first seen at the earliest remembered
+    watermark above that offset, so its age as seen by this worker is `now` minus
+    that time: a lower bound on its real age (it was produced before this worker saw
+    it, and the clock of a partition starts when this worker takes it), kept by the
+    worker's own monotonic clock, so producers' clocks and timestamps play no part.
+    """
+
+    def __init__(self, max_entries: int = _LAG_CLOCK_ENTRIES) -> None:
+        self._max = max_entries
+        self._seen: dict[PartitionKey, list[tuple[int, float]]] = {}
+
+    def seconds(self, key: PartitionKey, highwater: int, committed: int, now: float) -> float:
+        """The age of the oldest record below `highwater` from `committed` on; 0 when
+        there is none."""
+        seen = self._seen.setdefault(key, [])
+        if not seen or highwater > seen[-1][0]:
+            seen.append((highwater, now))
+        while seen and seen[0][0] <= committed:
+            seen.pop(0)
+        if len(seen) > self._max:
+            # Keeps the first and the last: a dropped watermark's records are dated by
+            # the next one kept, which was seen later.
+            seen[:] = [*seen[:-1:2], seen[-1]]
+        return now - seen[0][1] if seen and committed < highwater else 0.0
+
+    def forget(self, key: PartitionKey) -> None:
+        self._seen.pop(key, None)
 
 
 class WorkerMetrics:
@@ -65,18 +114,45 @@ class WorkerMetrics:
         self.in_flight = Gauge(
             "pipeline_batches_in_flight", "Batches between poll and commit", registry=r
         )
+        self.queue_depth = Gauge(
+            "pipeline_queue_depth",
+            "Closed batches waiting for a stage: embed (the model), write (the sinks)",
+            ["queue"],
+            registry=r,
+        )
+        for stage in ("embed", "write"):
+            self.queue_depth.labels(stage).set(0)  # exported from the start
         self.paused = Gauge(
             "pipeline_paused_partitions", "Partitions paused by backpressure", registry=r
         )
         self.dead_letter = Counter(
             "pipeline_dead_letter_records", "Records sent to the dead-letter topic", registry=r
         )
+        # Each partition's three, for the partitions this worker owns and has committed
+        # since it took them (set_partition_lag).
         self.lag = Gauge(
             "pipeline_partition_lag",
-            "High watermark minus position",
+            "Records not yet committed: the high watermark last fetched minus the offset "
+            "this worker committed",
             ["topic", "partition"],
             registry=r,
         )
+        self.lag_seconds = Gauge(
+            "pipeline_partition_lag_seconds",
+            "Seconds since this worker first saw the oldest record it has not committed "
+            "(its fetches' high watermark passed it); 0 when the lag is 0. A lower bound on "
+            "that record's age, counted from when this worker took the partition",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.committed_offset = Gauge(
+            "pipeline_committed_offset",
+            "The offset this worker last committed (acknowledged by the broker)",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self._lag_clock = LagClock()
+        self._lag_keys: set[PartitionKey] = set()
         self.publish_conflicts = Counter(
             "pipeline_publish_conflicts",
             "Segments another worker published first (a stalled worker coming back)",
@@ -162,6 +238,29 @@ class WorkerMetrics:
             "Records per backfill batch now (about --backfill-batch-ms of embedding)",
             registry=r,
         )
+
+        # process_resident_memory_bytes, CPU, open files, start time; python_info.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+
+    def set_partition_lag(
+        self, positions: Mapping[PartitionKey, tuple[int, int]], now: float
+    ) -> None:
+        """Sets the lag series from (high watermark, committed offset) per partition
+        (`now`: time.monotonic()); removes those of partitions not among them (no
+        longer owned, or not committed since this worker took them)."""
+        for key in self._lag_keys - set(positions):
+            for gauge in (self.lag, self.lag_seconds, self.committed_offset):
+                gauge.remove(key[0], str(key[1]))
+            self._lag_clock.forget(key)
+        for key, (highwater, committed) in positions.items():
+            labels = (key[0], str(key[1]))
+            self.lag.labels(*labels).set(max(0, highwater - committed))
+            self.lag_seconds.labels(*labels).set(
+                self._lag_clock.seconds(key, highwater, committed, now)
+            )
+            self.committed_offset.labels(*labels).set(committed)
+        self._lag_keys = set(positions)
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)

@@ -12,6 +12,8 @@ where the installed one lacks any of them. At run time a consumer is checked onc
   publishing: consumers.stages).
 - `consumer._fetcher._paused_partition_records` and `._next_partition_records`:
   records parked for a paused partition (priority tiers: `unpark_resumed`).
+- `consumer._coordinator.need_rejoin()`: whether the group is rebalancing and this
+  member has yet to rejoin (the rebalance line's "the group took": consumers.partitions).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ log = logging.getLogger(__name__)
 def missing(consumer: Any) -> list[str]:
     """The private parts of this consumer's kafka-python that are not as expected."""
     absent = []
-    heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
+    coordinator = getattr(consumer, "_coordinator", None)
+    heartbeat = getattr(coordinator, "heartbeat", None)
     if not callable(getattr(heartbeat, "session_timeout_expired", None)):
         absent.append("_coordinator.heartbeat.session_timeout_expired")
+    if not callable(getattr(coordinator, "need_rejoin", None)):
+        absent.append("_coordinator.need_rejoin")
     fetcher = getattr(consumer, "_fetcher", None)
     for name in ("_paused_partition_records", "_next_partition_records", "PartitionRecords"):
         if not hasattr(fetcher, name):
@@ -54,6 +59,16 @@ def heard_by_group(consumer: Any) -> bool:
     heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
     expired = getattr(heartbeat, "session_timeout_expired", None)
     return expired is None or not expired()
+
+
+def rejoining(consumer: Any) -> bool:
+    """Whether the group is rebalancing and this member has yet to rejoin it (False
+    where this kafka-python cannot tell)."""
+    need_rejoin = getattr(getattr(consumer, "_coordinator", None), "need_rejoin", None)
+    try:
+        return bool(need_rejoin()) if need_rejoin is not None else False
+    except Exception:  # the consumer closed meanwhile
+        return False
 
 
 def unpark_resumed(consumer: Any) -> bool:

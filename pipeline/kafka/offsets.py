@@ -5,7 +5,8 @@ It does what `kafka-consumer-groups.sh --reset-offsets` does, through
 clamped into the partition's [earliest, end] range, committed for the group
 without joining it, read back, and refused while the group has members (a
 live member would overwrite the reset with its next commit, and the broker
-refuses an outsider's commit to such a group anyway).
+refuses an outsider's commit to such a group anyway). A dry run changes
+nothing, so it plans with members too, and says that the reset will refuse.
 
 The end is the last stable offset, as everywhere in the pipeline: workers read
 `read_committed`, and a commit past the last stable offset would skip the
@@ -88,12 +89,18 @@ class PartitionReset:
     def clamped(self) -> bool:
         return self.new != self.requested
 
+    @property
+    def change(self) -> int | None:
+        """New minus current: records skipped (positive) or read again (negative)."""
+        return None if self.current is None else self.new - self.current
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "topic": self.topic,
             "partition": self.partition,
             "current": self.current,
             "new": self.new,
+            "change": self.change,
             "earliest": self.earliest,
             "end": self.end,
             "requested": self.requested,
@@ -107,12 +114,16 @@ class ResetResult:
     group: str
     partitions: list[PartitionReset]
     committed: bool  # False for a dry run
+    # A dry run's group while it has members (or is between states); None when Empty.
+    active: cluster.GroupInfo | None = None
 
     def summary(self) -> str:
         count = f"group {self.group}, {len(self.partitions)} partition(s)"
         if self.committed:
             return f"committed: {count}, read back from the broker"
-        return f"dry run: nothing changed ({count})"
+        if self.active is None:
+            return f"dry run: nothing changed ({count})"
+        return f"dry run: nothing changed ({count}); {_active_line(self.group, self.active)}"
 
 
 # --------------------------------------------------------------------------- arguments
@@ -268,9 +279,12 @@ def reset_offsets(
     if not specs:
         raise ConfigError("give at least one --topic")
     with cluster.admin_client(kafka) as admin:
-        # Checked even for a dry run, as Kafka's tool does: with members committing,
-        # the current offsets, and so the plan, would be stale at once.
-        refuse_if_active(admin, kafka, group)
+        # Checked first: nothing is read for a reset that would be refused. A dry run
+        # changes nothing, so it plans anyway and says that the reset would refuse.
+        info = cluster.describe_group(admin, kafka, group)
+        refusal = active_refusal(group, info)
+        if refusal is not None and not dry_run:
+            raise refusal
         found = cluster.describe_partitions(
             admin, kafka, list(dict.fromkeys(s.topic for s in specs))
         )
@@ -280,25 +294,44 @@ def reset_offsets(
         if not dry_run:
             _commit(admin, kafka, group, plan)
             _verify(admin, kafka, group, plan)
-    return ResetResult(group, plan, committed=not dry_run)
+    return ResetResult(
+        group, plan, committed=not dry_run, active=info if refusal is not None else None
+    )
 
 
-def refuse_if_active(admin: KafkaAdminClient, kafka: KafkaSettings, group: str) -> None:
-    info = cluster.describe_group(admin, kafka, group)
+def active_refusal(group: str, info: cluster.GroupInfo) -> GroupActive | None:
+    """The error a reset of a group with members (or between states) fails with."""
     if not info.active:
-        return
+        return None
     if not info.members:
-        raise GroupActive(
+        return GroupActive(
             f"group {group} is {info.state}, not Empty: its consumers are joining or leaving; "
             "stop its workers (pipeline run) and run the reset again"
         )
+    return GroupActive(
+        f"group {group} has {len(info.members)} active member(s) ({_member_names(info)}; "
+        f"state {info.state}): stop its workers (pipeline run) first, then run the reset "
+        "again (a killed worker stays a member until its session times out)"
+    )
+
+
+def _member_names(info: cluster.GroupInfo) -> str:
     names = [f"{m.client_id}@{m.host}" for m in info.members]
-    shown = ", ".join(names[:_MEMBERS_SHOWN])
     more = f" and {len(names) - _MEMBERS_SHOWN} more" if len(names) > _MEMBERS_SHOWN else ""
-    raise GroupActive(
-        f"group {group} has {len(names)} active member(s) ({shown}{more}; state {info.state}): "
-        "stop its workers (pipeline run) first, then run the reset again (a killed worker "
-        "stays a member until its session times out)"
+    return ", ".join(names[:_MEMBERS_SHOWN]) + more
+
+
+def _active_line(group: str, info: cluster.GroupInfo) -> str:
+    """What a dry run says of a group the reset itself would refuse."""
+    if not info.members:
+        return (
+            f"group {group} is {info.state}, not Empty: the reset without --dry-run will refuse "
+            "until its consumers have stopped"
+        )
+    return (
+        f"the group has {len(info.members)} active member(s) ({_member_names(info)}; state "
+        f"{info.state}): the reset without --dry-run will refuse until they stop, and their "
+        "commits may move the current offsets meanwhile"
     )
 
 
@@ -364,15 +397,16 @@ def _verify(
 
 
 def render_table(result: ResetResult) -> str:
-    rows = [["TOPIC", "PARTITION", "CURRENT-OFFSET", "NEW-OFFSET", "NOTE"]]
+    rows = [["TOPIC", "PARTITION", "CURRENT-OFFSET", "NEW-OFFSET", "CHANGE", "NOTE"]]
     rows += [
         [
             r.topic,
             str(r.partition),
             "-" if r.current is None else str(r.current),
             str(r.new),
+            "-" if r.change is None else f"{r.change:+d}" if r.change else "0",
             r.note,
         ]
         for r in result.partitions
     ]
-    return "\n".join(align(rows, right={1, 2, 3}))
+    return "\n".join(align(rows, right={1, 2, 3, 4}))

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -446,7 +446,11 @@ class EmbeddingCache:
 
 
 def embed_cached(
-    embedder: Embedder, cache: EmbeddingCache, texts: list[str], tokens: Tokenized
+    embedder: Embedder,
+    cache: EmbeddingCache,
+    texts: list[str],
+    tokens: Tokenized,
+    between_passes: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, EmbedStats, CacheStats]:
     """`embedder.embed_tokens(tokens)` for a batch whose rows are `texts`, with only
     the texts the cache lacks reaching the model (each distinct one once). Rows in
@@ -479,12 +483,13 @@ def embed_cached(
             pool[j] = np.frombuffer(value, dtype=np.float32)
     source = [first_row[j] for j in todo]
     missing = Tokenized([tokens.ids[i] for i in source], tokens.lengths[source], truncated=0)
-    vectors, embed_stats = embedder.embed_tokens(missing)
+    vectors, embed_stats = embedder.embed_tokens(missing, between_passes=between_passes)
     pool[todo] = vectors
     stats.misses = len(todo)
     cache.put_many([(unique[j], pool[j].tobytes()) for j in todo], stats)
     cache.record(stats)
-    embed_stats.seconds = time.perf_counter() - started
+    yielded = embed_stats.yielded_s
+    embed_stats.seconds = time.perf_counter() - started - yielded
     return pool[rows], embed_stats, stats
 
 

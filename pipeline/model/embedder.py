@@ -22,12 +22,14 @@ CPUs this process may really use (pipeline.core.host).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -98,7 +100,8 @@ class EmbedStats:
     real_tokens: int = 0
     computed_tokens: int = 0
     forward_passes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # embedding this batch, less `yielded_s`
+    yielded_s: float = 0.0  # spent in `between_passes`, on other work
 
     @property
     def padding_efficiency(self) -> float:
@@ -375,10 +378,17 @@ class Embedder:
         return self.embed(texts, self.info.query_prompt)
 
     def embed_tokens(
-        self, tokens: Tokenized, prompt: str | None = None
+        self,
+        tokens: Tokenized,
+        prompt: str | None = None,
+        between_passes: Callable[[], None] | None = None,
     ) -> tuple[np.ndarray, EmbedStats]:
         """Embeds in length order under the token budget; returns rows in input order.
-        `prompt`: the one the texts were tokenized after (None: the document prompt)."""
+        `prompt`: the one the texts were tokenized after (None: the document prompt).
+        `between_passes`: called before each pass is started, at most `replicas`
+        passes ahead of the last one done, so that it may run more urgent work
+        meanwhile (the worker's nearline batches during a backfill batch); the time
+        spent in it is not counted in the stats' seconds."""
         excluded = self.excluded_tokens(prompt)
         started = time.perf_counter()
         stats = EmbedStats(real_tokens=tokens.total_tokens)
@@ -402,12 +412,35 @@ class Embedder:
                 # by the allocator until the batch ends, they add up (docs/performance.md).
                 release_free_memory()
 
-        for done in [self._pool.submit(run, one) for one in passes]:
-            done.result()
+        yielded = 0.0
+        if between_passes is None:
+            for done in [self._pool.submit(run, one) for one in passes]:
+                done.result()
+        else:
+            yielded = self._run_yielding(run, passes, between_passes)
         stats.computed_tokens = sum(p.computed_tokens for p in passes)
         stats.forward_passes = len(passes)
-        stats.seconds = time.perf_counter() - started
+        stats.yielded_s = yielded
+        stats.seconds = time.perf_counter() - started - yielded
         return out, stats
+
+    def _run_yielding(
+        self, run: Callable[[Pass], None], passes: list[Pass], between: Callable[[], None]
+    ) -> float:
+        """Runs the passes with one per replica out at a time, calling `between` before
+        each is submitted; returns the seconds spent in `between`."""
+        out: collections.deque[Future[None]] = collections.deque()
+        yielded = 0.0
+        for one in passes:
+            if len(out) >= self.replicas:
+                out.popleft().result()
+            started = time.perf_counter()
+            between()
+            yielded += time.perf_counter() - started
+            out.append(self._pool.submit(run, one))
+        for done in out:
+            done.result()
+        return yielded
 
     def _forward(
         self, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, excluded: int

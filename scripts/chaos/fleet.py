@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos.common import OWNERSHIP, PYTHON, READY, REPO, SESSION_TIMEOUT_MS
+from chaos.common import OWNERSHIP, PARTITION, PYTHON, READY, REPO, SESSION_TIMEOUT_MS
 from chaos.plans import EventLog
 
 
@@ -91,15 +91,16 @@ class WorkerProc:
     def owned(self) -> set[tuple[str, int]]:
         """Partitions it owns, replayed from its own log lines (for picking victims)."""
         owned: set[tuple[str, int]] = set()
-        for change, listed in OWNERSHIP.findall(self.log_text()):
-            try:
-                keys = {tuple(k) for k in ast.literal_eval(listed)}
-            except (ValueError, SyntaxError):
+        for line in OWNERSHIP.finditer(self.log_text()):
+            if line["lost"] is not None:
+                try:
+                    owned -= {tuple(k) for k in ast.literal_eval(line["lost"])}  # type: ignore[misc]
+                except (ValueError, SyntaxError):
+                    continue
                 continue
-            if change == "assigned":
-                owned |= keys  # type: ignore[arg-type]
-            else:
-                owned -= keys
+            gone = line["revoked"] if line["closed"] is None else line["closed"]
+            owned -= {(t, int(p)) for t, p in PARTITION.findall(gone)}
+            owned |= {(t, int(p)) for t, p in PARTITION.findall(line["assigned"] or "")}
         return owned
 
 
