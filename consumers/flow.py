@@ -145,7 +145,10 @@ class TieredFlowControl(FlowControl):
         if waiting or backfill_out >= limit:
             wanted |= backfill
         else:
-            wanted |= self.fair.ahead(partition_lags(consumer, backfill), records)
+            # A partition whose fetch kafka-python has not handed out yet has no known
+            # lag; it may hold records, and only pausing the others lets them through.
+            lags = {tp: 1 for tp in backfill} | partition_lags(consumer, backfill)
+            wanted |= self.fair.ahead(lags, records)
         if nearline_out >= limit:
             wanted |= nearline
         paused = reader.pause_only(wanted)

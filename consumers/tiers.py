@@ -238,8 +238,10 @@ class FairShare:
     batch, the other partitions' lag stood still for minutes. So the records taken
     from each lagging partition are counted, and a partition a `quantum` ahead of
     the one furthest behind is paused until that one catches up (kafka-python keeps
-    what it had fetched of it). The counts start again whenever the set of lagging
-    partitions changes, so a partition that was idle gets no credit to spend.
+    what it had fetched of it). A partition whose fetch has not been handed out yet
+    counts as lagging (kafka-python learns its high watermark only then, so only
+    pausing the others lets it through). The counts start again whenever the set of
+    lagging partitions changes, so a partition that was idle gets no credit to spend.
     """
 
     def __init__(self) -> None:

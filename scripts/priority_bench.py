@@ -106,7 +106,7 @@ def one_run(
     busy: int = 0,
 ) -> dict[str, Any]:
     live = broker.new_topic(kafka, args.partitions, prefix="prio-live")
-    output = work / name
+    output = work / f"{name}-busy{busy}"
     port = free_port()
     command = [
         sys.executable, "-m", "pipeline.cli", "--bootstrap-servers", kafka.bootstrap_servers,

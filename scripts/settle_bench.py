@@ -46,6 +46,14 @@ LINE = re.compile(
     re.MULTILINE,
 )
 PARTITION = re.compile(r"([A-Za-z0-9._-]+)\[(\d+)\]")
+# Releases before the one-line log wrote "partitions assigned: [('t', 0)]" and
+# "partitions revoked: [...]": read too, to run this against them side by side.
+EARLIER = re.compile(
+    r"^(?P<at>\S+ \S+) \S+ consumers\.partitions: partitions (?P<change>assigned|revoked): "
+    r"(?P<listed>\[.*\])",
+    re.MULTILINE,
+)
+EARLIER_PARTITION = re.compile(r"\('([^']+)', (\d+)\)")
 
 
 def _stamp(text: str) -> float:
@@ -55,11 +63,18 @@ def _stamp(text: str) -> float:
 def ownership_timeline(log: str) -> list[tuple[float, int]]:
     """(wall time, partitions owned after it) for each rebalance line of a worker."""
     owned: set[tuple[str, str]] = set()
-    timeline = []
+    changes = []
     for line in LINE.finditer(log):
-        owned -= set(PARTITION.findall(line["revoked"]))
-        owned |= set(PARTITION.findall(line["assigned"]))
-        timeline.append((_stamp(line["at"]), len(owned)))
+        gone, came = PARTITION.findall(line["revoked"]), PARTITION.findall(line["assigned"])
+        changes.append((line.start(), line["at"], gone, came))
+    for line in EARLIER.finditer(log):
+        listed = EARLIER_PARTITION.findall(line["listed"])
+        gone, came = (listed, []) if line["change"] == "revoked" else ([], listed)
+        changes.append((line.start(), line["at"], gone, came))
+    timeline = []
+    for _, at, gone, came in sorted(changes):
+        owned = (owned - set(gone)) | set(came)
+        timeline.append((_stamp(at), len(owned)))
     return timeline
 
 
