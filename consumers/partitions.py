@@ -251,12 +251,10 @@ class RebalanceLog:
         owned_before: set[TopicPartitionKey],
         started: dict[TopicPartitionKey, int],
     ) -> None:
-        moved = [e for e in events if e.change in (Change.ASSIGNED, Change.REVOKED)]
-        if not moved:
+        if not any(e.change in (Change.ASSIGNED, Change.REVOKED) for e in events):
             return
-        assigned = set().union(*(e.keys for e in moved if e.change is Change.ASSIGNED))
-        revoked = set().union(*(e.keys for e in moved if e.change is Change.REVOKED))
-        revoked -= assigned
+        assigned = _keys_of(events, Change.ASSIGNED)
+        revoked = _keys_of(events, Change.REVOKED) - assigned
         kept = owned_before - revoked - assigned
         took = "" if self._since is None else f" in {self._clock() - self._since:.1f}s"
         what = "joined the group" if not self._joined else "rebalanced"
@@ -273,9 +271,13 @@ class RebalanceLog:
 
     def closed(self, events: list[Event]) -> None:
         """The revocation that closing the consumer made."""
-        revoked = set().union(*(e.keys for e in events if e.change is Change.REVOKED))
+        revoked = _keys_of(events, Change.REVOKED)
         if revoked:
             log.info("partitions revoked at close: %s", _names(sorted(revoked), {}))
+
+
+def _keys_of(events: list[Event], change: Change) -> set[TopicPartitionKey]:
+    return set().union(*(e.keys for e in events if e.change is change))
 
 
 @dataclass

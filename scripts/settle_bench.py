@@ -26,26 +26,18 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness import broker  # noqa: E402
+from harness import broker, worker_log  # noqa: E402
 from harness.corpora import paragraphs  # noqa: E402
 from harness.worker import OFFLINE, command  # noqa: E402
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, KafkaSettings  # noqa: E402
 
-LINE = re.compile(
-    r"^(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ consumers\.partitions: partitions "
-    r"(?:joined the group|rebalanced)(?: in [\d.]+s)?: assigned (?P<assigned>.*?); "
-    r"revoked (?P<revoked>.*?); kept",
-    re.MULTILINE,
-)
-PARTITION = re.compile(r"([A-Za-z0-9._-]+)\[(\d+)\]")
 # Releases before the one-line log wrote "partitions assigned: [('t', 0)]" and
 # "partitions revoked: [...]": read too, to run this against them side by side.
 EARLIER = re.compile(
@@ -53,28 +45,24 @@ EARLIER = re.compile(
     r"(?P<listed>\[.*\])",
     re.MULTILINE,
 )
-EARLIER_PARTITION = re.compile(r"\('([^']+)', (\d+)\)")
-
-
-def _stamp(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def ownership_timeline(log: str) -> list[tuple[float, int]]:
     """(wall time, partitions owned after it) for each rebalance line of a worker."""
-    owned: set[tuple[str, str]] = set()
-    changes = []
-    for line in LINE.finditer(log):
-        gone, came = PARTITION.findall(line["revoked"]), PARTITION.findall(line["assigned"])
-        changes.append((line.start(), line["at"], gone, came))
+    changes = [
+        (c.position, c.at, c.gone, c.came)
+        for c in worker_log.ownership_changes(log)
+        if c.kind == "rebalance"
+    ]
     for line in EARLIER.finditer(log):
-        listed = EARLIER_PARTITION.findall(line["listed"])
-        gone, came = (listed, []) if line["change"] == "revoked" else ([], listed)
+        listed = set(worker_log.LISTED_PARTITION.findall(line["listed"]))
+        gone, came = (listed, set()) if line["change"] == "revoked" else (set(), listed)
         changes.append((line.start(), line["at"], gone, came))
+    owned: set[Any] = set()
     timeline = []
-    for _, at, gone, came in sorted(changes):
-        owned = (owned - set(gone)) | set(came)
-        timeline.append((_stamp(at), len(owned)))
+    for _, at, gone, came in sorted(changes, key=lambda change: change[0]):
+        owned = (owned - gone) | came
+        timeline.append((worker_log.stamp(at), len(owned)))
     return timeline
 
 

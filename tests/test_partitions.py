@@ -315,7 +315,8 @@ def test_a_rebalance_is_one_line_that_the_chaos_harness_reads_back(
     ]
     # The chaos harness replays ownership from these lines (scripts/chaos/fleet.py).
     log = tmp_path / "worker.log"
-    log.write_text("\n".join(f"12:00:00 INFO consumers.partitions: {line}" for line in lines[:2]))
+    stamp = "2026-12-03 12:00:00,000 INFO consumers.partitions"
+    log.write_text("\n".join(f"{stamp}: {line}" for line in lines[:2]))
     script = (
         "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path;"
         "from chaos.fleet import WorkerProc;"

@@ -24,16 +24,6 @@ BATCH_SIZES = (16, 32, 64, 128, 256)
 SLOW_BATCH_SIZES = (64, 96, 128)  # with the slow model and long texts: seconds per batch
 MAX_TEXT_BYTES = 65_536  # the worker's default cap (WorkerConfig.max_text_bytes)
 READY = re.compile(r"model .* loaded")
-# The worker's ownership lines (consumers.partitions.RebalanceLog, and the listener's
-# "partitions lost: [...]"); partitions are written topic[partition]@start.
-OWNERSHIP = re.compile(
-    r"partitions (?:joined the group|rebalanced)(?: in [\d.]+s)?: "
-    r"assigned (?P<assigned>.*?); revoked (?P<revoked>.*?); kept .*$"
-    r"|partitions lost: (?P<lost>\[.*\])"
-    r"|partitions revoked at close: (?P<closed>.*)$",
-    re.MULTILINE,
-)
-PARTITION = re.compile(r"([A-Za-z0-9._-]+)\[(\d+)\]")
 # What the workers' logs say the chaos exercised (informational, per seed).
 EXERCISED = {
     "session_expired": "Heartbeat session expired",

@@ -3,7 +3,6 @@ stalled on schedule, and the trickle of records published meanwhile."""
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import os
 import random
@@ -15,7 +14,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos.common import OWNERSHIP, PARTITION, PYTHON, READY, REPO, SESSION_TIMEOUT_MS
+from harness import worker_log
+
+from chaos.common import PYTHON, READY, REPO, SESSION_TIMEOUT_MS
 from chaos.plans import EventLog
 
 
@@ -90,18 +91,7 @@ class WorkerProc:
 
     def owned(self) -> set[tuple[str, int]]:
         """Partitions it owns, replayed from its own log lines (for picking victims)."""
-        owned: set[tuple[str, int]] = set()
-        for line in OWNERSHIP.finditer(self.log_text()):
-            if line["lost"] is not None:
-                try:
-                    owned -= {tuple(k) for k in ast.literal_eval(line["lost"])}  # type: ignore[misc]
-                except (ValueError, SyntaxError):
-                    continue
-                continue
-            gone = line["revoked"] if line["closed"] is None else line["closed"]
-            owned -= {(t, int(p)) for t, p in PARTITION.findall(gone)}
-            owned |= {(t, int(p)) for t, p in PARTITION.findall(line["assigned"] or "")}
-        return owned
+        return worker_log.owned(self.log_text())
 
 
 @dataclass(frozen=True)
