@@ -157,7 +157,7 @@ status() {
   fi
 }
 
-[[ "${1:-}" == status ]] || take_lock
+[[ "${1:-}" =~ ^(status|-h|--help)$ ]] || take_lock
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
@@ -165,5 +165,6 @@ case "${1:-}" in
   restart) stop; start ;;
   wipe) stop; rm -rf "$DATA" "$LOGS"; echo "dev-kafka: data removed" ;;
   classpath) fetch >&2; echo "$LIBS/*" ;;
+  -h|--help) echo "usage: $0 start|stop|status|restart|wipe|classpath"; sed -n '2,/^set -/s/^# \{0,1\}//p' "$0" ;;
   *) echo "usage: $0 start|stop|status|restart|wipe|classpath" >&2; exit 2 ;;
 esac

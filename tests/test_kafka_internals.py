@@ -1,15 +1,34 @@
 """The private parts of kafka-python the pipeline touches (pipeline.kafka.internals)
 are there in the installed release: a release that lacks one fails here, never
-silently in a running worker."""
+silently in a running worker, and a worker on such a release refuses to start in one
+line naming what is missing."""
 
 from __future__ import annotations
 
+import subprocess
+import threading
 from types import SimpleNamespace
 
 import kafka
-from kafka import KafkaConsumer
+import kafka.errors as kerrors
+import pytest
+from kafka import KafkaAdminClient, KafkaConsumer
+from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment
 
+from pipeline.core.errors import SetupError
 from pipeline.kafka import internals, record_batches
+from tests.helpers import worker_args, worker_env
+
+# Every private part the worker relies on, as the refusal names it.
+INTERNALS = (
+    "_coordinator.heartbeat.session_timeout_expired",
+    "_coordinator.heartbeat.last_receive",
+    "_coordinator.heartbeat.last_reset",
+    "_coordinator.need_rejoin",
+    "_fetcher._paused_partition_records",
+    "_fetcher._next_partition_records",
+    "_fetcher.PartitionRecords",
+)
 
 
 def test_the_pinned_release_has_every_internal_the_pipeline_touches() -> None:
@@ -18,23 +37,125 @@ def test_the_pinned_release_has_every_internal_the_pipeline_touches() -> None:
     consumer = KafkaConsumer(bootstrap_servers="127.0.0.1:1", api_version=(3, 0))
     try:
         assert internals.missing(consumer) == []
+        internals.check(consumer)  # refuses nothing
         assert internals.heard_by_group(consumer)  # never joined: nothing expired
+        assert internals.heard_within(consumer, 60.0)  # the clock starts at creation
         assert internals.rejoining(consumer) is False  # not subscribed: no group to join
+        assert internals.unpark_resumed(consumer) is False  # nothing parked
     finally:
         consumer.close(autocommit=False, timeout_ms=100)
 
 
-def test_a_client_without_them_is_named_and_done_without(caplog) -> None:
-    other = SimpleNamespace(_coordinator=SimpleNamespace(), _fetcher=SimpleNamespace())
-    assert internals.missing(other) == [
-        "_coordinator.heartbeat.session_timeout_expired",
-        "_coordinator.need_rejoin",
-        "_fetcher._paused_partition_records",
-        "_fetcher._next_partition_records",
-        "_fetcher.PartitionRecords",
-    ]
-    internals.check(other)
-    assert sum("the worker does without it" in r.getMessage() for r in caplog.records) == 5
-    assert internals.heard_by_group(other)
-    assert not internals.rejoining(other)
-    assert not internals.unpark_resumed(other)
+def complete_consumer() -> SimpleNamespace:
+    """Stands for a consumer with every part (the real one is the test above's)."""
+    heartbeat = SimpleNamespace(
+        session_timeout_expired=lambda: False, last_receive=0.0, last_reset=0.0
+    )
+    return SimpleNamespace(
+        _coordinator=SimpleNamespace(heartbeat=heartbeat, need_rejoin=lambda: False),
+        _fetcher=SimpleNamespace(
+            _paused_partition_records={}, _next_partition_records=None, PartitionRecords=object
+        ),
+    )
+
+
+@pytest.mark.parametrize("internal", INTERNALS)
+def test_a_consumer_without_one_is_refused_in_one_line_naming_it(internal: str) -> None:
+    consumer = complete_consumer()
+    assert internals.missing(consumer) == []
+    path, _, name = internal.rpartition(".")
+    owner = consumer
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    delattr(owner, name)
+
+    assert internals.missing(consumer) == [internal]
+    with pytest.raises(SetupError) as refused:
+        internals.check(consumer)
+    line = str(refused.value)
+    assert internal in line and "\n" not in line
+    assert f"pip install kafka-python=={record_batches.MIRRORED_RELEASE}" in line
+    assert SetupError.exit_code == 78
+
+
+def test_a_group_error_keeps_its_class() -> None:
+    """admin.describe_groups words a group's error as text; its code gives the class
+    back, so that retrying can tell a coordinator loading from a missing group."""
+    for error_class in (kerrors.GroupIdNotFoundError, kerrors.CoordinatorLoadInProgressError):
+        worded = str(error_class("as kafka-python words it"))
+        assert isinstance(internals.group_error(worded), error_class)
+    assert internals.group_error(None) is None
+    assert type(internals.group_error("something else")) is kerrors.KafkaError
+
+
+def test_a_members_assignment_is_read_decoded_or_as_bytes() -> None:
+    assignment = ConsumerProtocolAssignment(
+        assigned_partitions=[("t", [2, 0]), ("u", [1])], user_data=b""
+    )
+    encoded = assignment.encode(version=0)
+    expected = [("t", 0), ("t", 2), ("u", 1)]
+    assert internals.assigned_partitions(encoded) == expected
+    assert internals.assigned_partitions(ConsumerProtocolAssignment.decode(encoded)) == expected
+    assert internals.assigned_partitions(b"\x00\x05not an assignment") == []
+    assert internals.assigned_partitions(b"") == []
+
+
+def test_the_sasl_mechanisms_client_side_is_kafka_pythons() -> None:
+    configs = {
+        "sasl_mechanism": "PLAIN",
+        "sasl_plain_username": "u",
+        "sasl_plain_password": "p",
+        "security_protocol": "SASL_SSL",
+    }
+    plain = internals.sasl_authenticator(configs, "broker")
+    assert plain.auth_bytes() == b"u\x00u\x00p" and not plain.is_done()
+    plain.receive(b"")
+    assert plain.is_done() and plain.is_authenticated()
+    scram = internals.sasl_authenticator({**configs, "sasl_mechanism": "SCRAM-SHA-512"}, "b")
+    assert scram.auth_bytes().startswith(b"n,,n=u,r=")
+
+
+def test_a_first_contact_says_what_ended_it() -> None:
+    contact = internals.first_contact(
+        {"bootstrap_servers": ["127.0.0.1:1"], "client_id": "internals-test"}, 2_000
+    )
+    assert isinstance(contact.error, kerrors.KafkaConnectionError)
+    assert not contact.answered and not contact.timed_out
+
+
+@pytest.mark.integration
+def test_a_first_contact_with_a_broker_gets_its_metadata(broker: str) -> None:
+    contact = internals.first_contact({"bootstrap_servers": [broker]}, 10_000)
+    assert contact == internals.Contact(None, answered=True)
+
+
+def test_a_client_that_failed_to_start_leaves_no_thread() -> None:
+    before = set(threading.enumerate())
+    clients = internals.NetClients()
+    with pytest.raises(kerrors.KafkaError):
+        KafkaAdminClient(
+            bootstrap_servers="127.0.0.1:1", bootstrap_timeout_ms=300, kafka_client=clients
+        )
+    assert clients.made
+    clients.stop()
+    assert set(threading.enumerate()) <= before
+
+
+@pytest.mark.integration
+def test_a_worker_on_a_release_without_one_refuses_to_start(
+    broker: str, make_topic, tiny_model: str, tmp_path
+) -> None:
+    """The real worker, with kafka-python's heartbeat clock taken away at start-up
+    (sitecustomize): one error line naming it, exit 78, nothing embedded."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "from kafka.coordinator.heartbeat import Heartbeat\ndel Heartbeat.session_timeout_expired\n"
+    )
+    env = {**worker_env(broker), "PYTHONPATH": str(tmp_path / "site")}
+    topic = make_topic(partitions=1)
+    args = worker_args(topic, "g-internals", tmp_path / "out", "--model", tiny_model)
+    result = subprocess.run([*args, "--until-end"], env=env, capture_output=True, text=True)
+    assert result.returncode == SetupError.exit_code, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "_coordinator.heartbeat.session_timeout_expired (the stall guard)" in line
+    assert "Traceback" not in result.stderr

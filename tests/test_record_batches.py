@@ -27,7 +27,7 @@ from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchB
 from kafka.record.legacy_records import LegacyRecordBatchBuilder
 from kafka.record.util import calc_crc32c
 
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, SetupError
 from pipeline.kafka import record_batches
 from pipeline.kafka.record_batches import BatchDecodedRecords
 from tests.helpers import NOT_UTF8_KEYS, RawHeaderKey
@@ -323,13 +323,16 @@ def test_used_only_with_the_kafka_python_it_mirrors(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(record_batches.DECODER_ENV, "fastest")
     with pytest.raises(ConfigError, match="PIPELINE_RECORD_DECODER"):
         installed()
-    monkeypatch.setenv(record_batches.DECODER_ENV, "batch")  # the decoder or an error
+    monkeypatch.setenv(record_batches.DECODER_ENV, "batch")  # the same as the default
     assert installed()
+    # Another kafka-python: refused in one line, unless its own decoder is asked for.
     changed = dict(record_batches._KNOWN_SOURCES, DefaultRecordBatch="0" * 64)
     monkeypatch.setattr(record_batches, "_KNOWN_SOURCES", changed)
-    with pytest.raises(ConfigError, match="not the release"):
-        installed()
-    monkeypatch.delenv(record_batches.DECODER_ENV)
+    for choice in ("batch", "auto"):
+        monkeypatch.setenv(record_batches.DECODER_ENV, choice)
+        with pytest.raises(SetupError, match="not the release the batch decoder mirrors"):
+            installed()
+    monkeypatch.setenv(record_batches.DECODER_ENV, "kafka-python")
     assert not installed()
 
 

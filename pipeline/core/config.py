@@ -51,11 +51,11 @@ class KafkaSettings:
     security_protocol: str = "PLAINTEXT"
     sasl_mechanism: str | None = None
     sasl_plain_username: str | None = None
-    sasl_plain_password: str | None = None
+    sasl_plain_password: str | None = field(default=None, repr=False)
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    ssl_password: str | None = None
+    ssl_password: str | None = field(default=None, repr=False)
     client_id: str = "embedding-pipeline"
     request_timeout_ms: int = 30_000
 
@@ -76,6 +76,8 @@ class KafkaSettings:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{name.replace('_', ' ')} {path} does not exist")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ConfigError("--ssl-keyfile needs its certificate (--ssl-certfile)")
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments shared by KafkaConsumer, KafkaProducer and KafkaAdminClient."""
@@ -148,8 +150,8 @@ class ModelSettings:
     # (config_sentence_transformers.json), "" none.
     document_prompt: str | None = None
     query_prompt: str | None = None
-    # Matryoshka: keep the first N values of each vector (then normalised again where
-    # the model normalises); None: the model's own truncate_dim, or all.
+    # Matryoshka: keep the first N values of each vector (not normalised again, as
+    # sentence-transformers' truncate_dim); None: the model's own truncate_dim, or all.
     dimensions: int | None = None
     # Padded tokens (longest x count) per forward pass; bounds activation memory.
     # None: by device and model (pipeline.model.shapes.pass_defaults).

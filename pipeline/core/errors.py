@@ -55,6 +55,30 @@ class OutputError(PipelineError):
     exit_code = 73  # EX_CANTCREAT
 
 
+class SecureConnectionFailed(PipelineError):
+    """No secured conversation with the broker: its certificate is not trusted or not
+    for the host name dialled, or the listener speaks another protocol than the one
+    configured (TLS against a plaintext port, SASL against a port without it, ...)."""
+
+    exit_code = 76  # EX_PROTOCOL
+
+
+class AccessDenied(PipelineError):
+    """The cluster refused this client: its SASL credentials or mechanism, the client
+    certificate mutual TLS asks for, or an ACL."""
+
+    exit_code = 77  # EX_NOPERM
+
+
+class SetupError(PipelineError):
+    """This machine's set-up cannot work, whatever the cluster: its TLS files (a CA,
+    certificate or key file that is not PEM, a key that is not the certificate's, one
+    --ssl-password does not decrypt), or a kafka-python other than the release the
+    pipeline is pinned to. Nothing was asked of a broker."""
+
+    exit_code = 78  # EX_CONFIG
+
+
 class RecordError(PipelineError):
     """A Kafka record is not a valid input record; it goes to the dead-letter topic."""
 

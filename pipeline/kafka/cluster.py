@@ -9,7 +9,10 @@ module, under one policy:
   backoff until the deadline;
 - past it, or on an error that no retry mends, one `PipelineError` with one
   actionable line: `BrokerUnavailable` when the cluster did not answer,
-  `TopicMissing` for a topic that does not exist, `PipelineError` otherwise.
+  `TopicMissing` for a topic that does not exist, a wrong credential or
+  certificate as its own error (`AccessDenied`, `SecureConnectionFailed`,
+  `SetupError`: pipeline.kafka.failures, caught before the first client starts by
+  pipeline.kafka.access), `PipelineError` otherwise.
 
 A freshly formatted broker has no `__consumer_offsets` topic yet: the first
 group operation sees CoordinatorNotAvailable for a few seconds, which is just
@@ -19,7 +22,6 @@ one more retriable error here.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -28,11 +30,12 @@ from typing import Any, TypeVar
 
 import kafka.errors as kerrors
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-from kafka.net.compat import KafkaNetClient
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.core.config import KafkaSettings
 from pipeline.core.errors import BrokerUnavailable, PipelineError, TopicMissing
+from pipeline.kafka import access, failures, internals
+from pipeline.kafka.failures import unreachable  # the line every command says it with
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,17 +56,6 @@ def is_retriable(exc: BaseException) -> bool:
     return isinstance(exc, kerrors.KafkaError) and bool(exc.retriable)
 
 
-def unreachable(
-    kafka: KafkaSettings, exc: BaseException | None = None, what: str | None = None
-) -> BrokerUnavailable:
-    detail = f" ({exc})" if exc else ""
-    doing = f"{what}: " if what else ""
-    return BrokerUnavailable(
-        f"{doing}no Kafka broker answered at {kafka.bootstrap_servers}{detail}; start one "
-        "(scripts/dev-kafka.sh start) or set --bootstrap-servers / PIPELINE_BOOTSTRAP_SERVERS"
-    )
-
-
 def retrying(
     call: Callable[[], T],
     what: str,
@@ -75,8 +67,9 @@ def retrying(
     """Runs `call`, retrying retriable Kafka errors with backoff for up to `deadline_s`.
 
     `what` names the operation in the error a user sees ("reading committed
-    offsets of group g"). Non-retriable Kafka errors become a PipelineError at
-    once; retriable ones past the deadline become BrokerUnavailable.
+    offsets of group g"). Non-retriable Kafka errors, and a TLS failure kafka-python
+    words as a retriable connection error, become their typed error at once
+    (failures.from_kafka); retriable ones past the deadline become BrokerUnavailable.
     """
     deadline = time.monotonic() + deadline_s
     backoff = _BACKOFF_FIRST_S
@@ -84,8 +77,8 @@ def retrying(
         try:
             return call()
         except kerrors.KafkaError as exc:
-            if not is_retriable(exc):
-                raise _refused(what, exc) from exc
+            if not is_retriable(exc) or failures.security_failure(exc, kafka) is not None:
+                raise failures.from_kafka(exc, kafka, what) from exc
             left = deadline - time.monotonic()
             if left <= 0:
                 raise BrokerUnavailable(
@@ -97,17 +90,13 @@ def retrying(
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
 
-def _refused(what: str, exc: kerrors.KafkaError) -> PipelineError:
-    if isinstance(exc, kerrors.AuthorizationError):
-        return PipelineError(f"{what}: not authorised ({exc}); check the credentials and ACLs")
-    return PipelineError(f"{what}: Kafka refused it ({exc})")
-
-
 # --------------------------------------------------------------------------- clients
 
 
 def client_kwargs(kafka: KafkaSettings, request_timeout_ms: int | None = None) -> dict[str, Any]:
-    kwargs = kafka.client_kwargs()
+    """What every client of the pipeline is built with: the connection settings, the
+    TLS files loaded here (access.connection_configs), bounded bootstrap."""
+    kwargs = access.connection_configs(kafka)
     kwargs["bootstrap_timeout_ms"] = BOOTSTRAP_TIMEOUT_MS
     if request_timeout_ms is not None:
         kwargs["request_timeout_ms"] = min(kafka.request_timeout_ms, request_timeout_ms)
@@ -115,29 +104,22 @@ def client_kwargs(kafka: KafkaSettings, request_timeout_ms: int | None = None) -
 
 
 def build_client(make: Callable[..., T], kafka: KafkaSettings, **configs: Any) -> T:
-    """Builds a kafka-python client; BrokerUnavailable when no broker answers.
+    """Builds a kafka-python client (`make`: KafkaConsumer, KafkaProducer, ...).
 
-    kafka-python 3 starts a network thread before bootstrapping and leaves it
-    running when bootstrap fails; this stops it again, so that retries (and
-    `status --watch` against a broker that is down) do not leak threads.
+    A wrong credential or certificate is its typed error at once (access.check, the
+    first client of a configuration); no broker answering is BrokerUnavailable once
+    the client's bootstrap gave up. The network thread of a client that failed to
+    start is stopped, so that retries (and `status --watch` against a broker that is
+    down) do not leak threads.
     """
-    created: list[KafkaNetClient] = []
-
-    def net_client(**kwargs: Any) -> KafkaNetClient:
-        created.append(KafkaNetClient(**kwargs))
-        return created[-1]
-
+    access.check(kafka, int(configs.get("bootstrap_timeout_ms", BOOTSTRAP_TIMEOUT_MS)))
+    clients = internals.NetClients()
     try:
-        return make(**configs, kafka_client=net_client)
+        return make(**configs, kafka_client=clients)
     except BaseException as exc:
-        for client in created:
-            try:
-                client.close()
-                client._net.stop(timeout_ms=1_000)
-            except Exception:  # stopping is best effort; the error below matters
-                log.debug("stopping a failed client's network thread", exc_info=True)
+        clients.stop()
         if isinstance(exc, kerrors.KafkaError):
-            raise unreachable(kafka, exc) from exc
+            raise failures.security_failure(exc, kafka) or unreachable(kafka, exc) from exc
         raise
 
 
@@ -355,6 +337,9 @@ INACTIVE_GROUP_STATES = frozenset({"Empty", "Dead"})
 class GroupMember:
     client_id: str
     host: str
+    member_id: str = ""
+    # (topic, partition) pairs; empty for a protocol other than the consumer's.
+    assignments: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -375,35 +360,29 @@ def describe_group(
     group: str,
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> GroupInfo:
-    """The group's state and members, retrying a coordinator that is loading or moving."""
+    """The group's state, members and their assignments, retrying a coordinator that
+    is loading or moving (`offsets reset` and `pipeline status` both ask)."""
 
     def describe() -> GroupInfo:
         info = admin.describe_groups([group]).get(group, {})
-        error = _group_error(info.get("error"))
+        error = internals.group_error(info.get("error"))
         if isinstance(error, kerrors.GroupIdNotFoundError):
             return GroupInfo("Dead", ())
         if error is not None:
             raise error
-        members = tuple(
-            GroupMember(
-                client_id=str(m.get("client_id") or "?"),
-                host=str(m.get("client_host") or "?").lstrip("/"),  # brokers say "/10.0.0.5"
-            )
-            for m in info.get("members") or []
-        )
+        members = tuple(_member(m) for m in info.get("members") or [])
         return GroupInfo(str(info.get("group_state") or "Unknown"), members)
 
     return retrying(describe, f"describing group {group}", kafka, deadline_s)
 
 
-def _group_error(text: str | None) -> kerrors.KafkaError | None:
-    # kafka-python 3 reports a group's error as text ("[Error 69] GroupIdNotFoundError:
-    # ..."); its code gives the class back, so that `retrying` can tell what to retry.
-    if not text:
-        return None
-    code = re.match(r"\[Error (-?\d+)\]", text)
-    error_class = kerrors.for_code(int(code.group(1))) if code else kerrors.KafkaError
-    return error_class(text)
+def _member(raw: Mapping[str, Any]) -> GroupMember:
+    return GroupMember(
+        client_id=str(raw.get("client_id") or "?"),
+        host=str(raw.get("client_host") or "?").lstrip("/"),  # brokers say "/10.0.0.5"
+        member_id=str(raw.get("member_id") or ""),
+        assignments=tuple(internals.assigned_partitions(raw.get("member_assignment"))),
+    )
 
 
 def commit_group_offsets(

@@ -2,26 +2,56 @@
 
 pyproject pins kafka-python to the release these were read from
 (record_batches.MIRRORED_RELEASE); tests/test_kafka_internals.py fails, not skips,
-where the installed one lacks any of them. At run time a consumer is checked once
-(`check`): what is missing is named in a warning, and the worker does without it.
+where the installed one lacks any of them. At run time the worker's consumer is
+checked once (`check`): a release that lacks any of them is refused in one line
+naming each part and what it serves, never run without it.
 
 - `Fetcher.PartitionRecords`: replaced by the batch decoder (record_batches, which
-  checks the mirrored code itself).
-- `consumer._coordinator.heartbeat.session_timeout_expired()`: whether the group
-  still hears this member (a writer that has not been heard for a session stops
-  publishing: consumers.stages).
+  refuses a kafka-python whose code it does not mirror itself).
+- `consumer._coordinator.heartbeat.session_timeout_expired()`, `.last_receive` and
+  `.last_reset`: whether and when the group last heard this member (a writer that
+  has not been heard for a session stops publishing: consumers.stages; the
+  dead-letter lease: consumers.dead_letters).
 - `consumer._fetcher._paused_partition_records` and `._next_partition_records`:
   records parked for a paused partition (priority tiers: `unpark_resumed`).
 - `consumer._coordinator.need_rejoin()`: whether the group is rebalancing and this
   member has yet to rejoin (the rebalance line's "the group took": consumers.partitions).
+- A failed client's network thread (`NetClients`), one connection outside any client
+  (`first_contact`) and the SASL mechanisms' client side (`sasl_authenticator`) for
+  the first contact (pipeline.kafka.access), a group's error as kafka-python words
+  it (`group_error`), a member's assignment as bytes (`assigned_partitions`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import kafka
+import kafka.errors as kerrors
+from kafka.net.compat import KafkaNetClient
+from kafka.net.sasl import get_sasl_mechanism
+from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment
+
+from pipeline.core.errors import SetupError
+from pipeline.kafka import record_batches
+
 log = logging.getLogger(__name__)
+
+# What each private part serves, as the refusal names it.
+_FEATURES = {
+    "_coordinator.heartbeat.session_timeout_expired": "the stall guard",
+    "_coordinator.heartbeat.last_receive": "the dead-letter lease",
+    "_coordinator.heartbeat.last_reset": "the dead-letter lease",
+    "_coordinator.need_rejoin": "the rebalance log line",
+    "_fetcher._paused_partition_records": "priority tiers",
+    "_fetcher._next_partition_records": "priority tiers",
+    "_fetcher.PartitionRecords": "the batch decoder",
+}
 
 
 def missing(consumer: Any) -> list[str]:
@@ -31,6 +61,9 @@ def missing(consumer: Any) -> list[str]:
     heartbeat = getattr(coordinator, "heartbeat", None)
     if not callable(getattr(heartbeat, "session_timeout_expired", None)):
         absent.append("_coordinator.heartbeat.session_timeout_expired")
+    for name in ("last_receive", "last_reset"):
+        if not isinstance(getattr(heartbeat, name, None), float):
+            absent.append(f"_coordinator.heartbeat.{name}")
     if not callable(getattr(coordinator, "need_rejoin", None)):
         absent.append("_coordinator.need_rejoin")
     fetcher = getattr(consumer, "_fetcher", None)
@@ -41,15 +74,19 @@ def missing(consumer: Any) -> list[str]:
 
 
 def check(consumer: Any) -> None:
-    import kafka
+    """Refuses, in one line, a consumer whose kafka-python lacks any part the worker
+    relies on (SetupError): the worker never runs without one."""
+    absent = missing(consumer)
+    if absent:
+        raise unsupported(", ".join(f"{name} ({_FEATURES[name]})" for name in absent))
 
-    for name in missing(consumer):
-        log.warning(
-            "kafka-python %s has no %s (the pipeline is pinned to the release it was read "
-            "from): the worker does without it",
-            kafka.__version__,
-            name,
-        )
+
+def unsupported(what: str) -> SetupError:
+    return SetupError(
+        f"kafka-python {kafka.__version__} lacks what the worker relies on: {what}; "
+        f"install the release the pipeline is pinned to: "
+        f"pip install kafka-python=={record_batches.MIRRORED_RELEASE}"
+    )
 
 
 def heard_by_group(consumer: Any) -> bool:
@@ -59,6 +96,18 @@ def heard_by_group(consumer: Any) -> bool:
     heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
     expired = getattr(heartbeat, "session_timeout_expired", None)
     return expired is None or not expired()
+
+
+def heard_within(consumer: Any, seconds: float) -> bool:
+    """Whether the group heard this member (a heartbeat answered, or a join) within
+    `seconds`: the lease under which the write stage sends dead letters and publishes
+    (consumers.dead_letters). Without the heartbeat's clock, `heard_by_group`."""
+    heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
+    received = getattr(heartbeat, "last_receive", None)
+    reset = getattr(heartbeat, "last_reset", None)
+    if not isinstance(received, float) or not isinstance(reset, float):
+        return heard_by_group(consumer)
+    return time.monotonic() - max(received, reset) <= seconds
 
 
 def rejoining(consumer: Any) -> bool:
@@ -89,3 +138,118 @@ def unpark_resumed(consumer: Any) -> bool:
         return False
     fetcher._next_partition_records = None  # type: ignore[union-attr]
     return True
+
+
+# --------------------------------------------------------------------------- clients
+
+
+class NetClients:
+    """kafka-python's network clients, made for one KafkaConsumer, KafkaProducer or
+    KafkaAdminClient (its `kafka_client` factory): kafka-python 3 starts a client's
+    network thread before bootstrapping and leaves it running when that fails."""
+
+    def __init__(self) -> None:
+        self.made: list[KafkaNetClient] = []
+
+    def __call__(self, **configs: Any) -> KafkaNetClient:
+        self.made.append(KafkaNetClient(**configs))
+        return self.made[-1]
+
+    def stop(self) -> None:
+        for client in self.made:
+            try:
+                client.close()
+                client._net.stop(timeout_ms=1_000)
+            except Exception:  # stopping is best effort; the caller's error matters
+                log.debug("stopping a failed client's network thread", exc_info=True)
+
+
+@dataclass(frozen=True)
+class Contact:
+    """One connection's outcome. `error`: what ended it (None: the broker answered a
+    metadata request past every handshake); `answered`: whether it got through TCP,
+    TLS, ApiVersions and SASL first; `timed_out`: no outcome within the time given."""
+
+    error: BaseException | None
+    answered: bool
+    timed_out: bool = False
+
+
+def first_contact(configs: Mapping[str, Any], timeout_ms: int) -> Contact:
+    """Connects to the first bootstrap server in `configs` as a client does (TCP, TLS,
+    ApiVersions, SASL), then asks it for metadata: once, without retrying. (A client's
+    bootstrap retries every failure until its deadline, then says only that it could
+    not bootstrap: the cause is gone.)"""
+    client = KafkaNetClient(**configs)
+    manager = client._manager
+    deadline = time.monotonic() + timeout_ms / 1000
+    try:
+        node_id = client.cluster.bootstrap_brokers()[0].node_id
+        conn = manager.get_connection(
+            node_id,
+            timeout_ms=timeout_ms,
+            pop_on_close=False,
+            refresh_metadata_on_err=False,
+            reset_backoff_on_connect=False,
+        )
+        client._net.poll(timeout_ms=timeout_ms, future=conn.init_future)
+        if not conn.init_future.is_done:
+            return Contact(None, answered=False, timed_out=True)
+        if conn.init_future.failed():
+            return Contact(conn.init_future.exception, answered=False)
+        metadata = manager.call_soon(manager.cluster.refresh_metadata, node_id)
+        left_ms = max(0.0, deadline - time.monotonic()) * 1000
+        client._net.poll(timeout_ms=left_ms, future=metadata)
+        if not metadata.is_done:
+            return Contact(None, answered=True, timed_out=True)
+        return Contact(metadata.exception, answered=True)
+    finally:
+        client.close()
+
+
+def sasl_authenticator(configs: Mapping[str, Any], host: str) -> Any:
+    """kafka-python's own client side of the configured SASL mechanism (auth_bytes,
+    receive, is_done, is_authenticated), as a connection to `host` would use it."""
+    mechanism = get_sasl_mechanism(configs["sasl_mechanism"])
+    return mechanism(host=host, **configs)
+
+
+# --------------------------------------------------------------------------- groups
+
+# kafka-python 3 words a group's error as text: "[Error 69] GroupIdNotFoundError: ...".
+_ERROR_CODE = re.compile(r"\[Error (-?\d+)\]")
+
+
+def group_error(text: str | None) -> kerrors.KafkaError | None:
+    """A described group's error (admin.describe_groups' "error") as the KafkaError
+    it was, so that a caller can tell what to retry; None when there is none."""
+    if not text:
+        return None
+    code = _ERROR_CODE.match(text)
+    error_class = kerrors.for_code(int(code.group(1))) if code else kerrors.KafkaError
+    return error_class(text)
+
+
+def assigned_partitions(raw: Any) -> list[tuple[str, int]]:
+    """(topic, partition) pairs of a described member's assignment: decoded by
+    kafka-python already, or bytes it could not decode (then tried once more here);
+    [] for a protocol other than the consumer's."""
+    if isinstance(raw, bytes | bytearray):
+        if not raw:
+            return []
+        try:
+            raw = ConsumerProtocolAssignment.decode(bytes(raw))
+        except Exception:  # a non-consumer protocol: we cannot tell the owners
+            return []
+    if hasattr(raw, "to_dict"):
+        raw = raw.to_dict()
+    if not isinstance(raw, Mapping):
+        return []
+    pairs = []
+    for entry in raw.get("assigned_partitions") or []:
+        if isinstance(entry, Mapping):
+            topic, partitions = entry.get("topic"), entry.get("partitions") or []
+        else:
+            topic, partitions = entry
+        pairs.extend((topic, int(p)) for p in partitions)
+    return sorted(pairs)

@@ -28,9 +28,9 @@ from kafka.errors import KafkaError
 from kafka.future import Future
 
 from pipeline.core.config import KafkaSettings
-from pipeline.core.errors import BrokerUnavailable, ConfigError, PipelineError
+from pipeline.core.errors import ConfigError, PipelineError
 from pipeline.core.progress import Progress
-from pipeline.kafka import cluster
+from pipeline.kafka import cluster, failures
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def produce(
     with cluster.admin_client(kafka) as admin:
         partitions = len(cluster.partitions_of(admin, kafka, [topic]))
     producer = _producer(kafka, compression)
-    deliveries = Deliveries(kafka.bootstrap_servers)
+    deliveries = Deliveries(kafka)
     publisher = Publisher(producer, topic, partitions, key_field, deliveries)
     result = ProduceResult()
     bar = Progress(f"producing to {topic}", None, enabled=progress)
@@ -212,7 +212,7 @@ def produce(
         producer.flush(timeout=60)
         deliveries.sweep()
     except KafkaError as exc:
-        raise BrokerUnavailable(f"publishing to {topic} failed: {exc}") from exc
+        raise failures.from_kafka(exc, kafka, f"publishing to {topic}") from exc
     finally:
         producer.close(timeout=10)
     bar.update(result.sent)
@@ -249,14 +249,15 @@ class Deliveries:
     of an errback attached to each record, and fails just as surely.
     """
 
-    def __init__(self, bootstrap_servers: str) -> None:
+    def __init__(self, kafka: KafkaSettings) -> None:
         self.pending: list[Future] = []
         self.failed = 0
         self.first_error: BaseException | None = None
-        self._bootstrap_servers = bootstrap_servers
+        self._kafka = kafka
 
     def sweep(self) -> None:
-        """Forgets acknowledged records; raises BrokerUnavailable if any record failed."""
+        """Forgets acknowledged records; raises the first failure's typed error (most
+        often BrokerUnavailable) if any record failed."""
         waiting = []
         for future in self.pending:
             if not future.is_done:
@@ -265,10 +266,11 @@ class Deliveries:
                 self.failed += 1
                 self.first_error = self.first_error or future.exception
         self.pending = waiting
-        if self.failed:
-            raise BrokerUnavailable(
-                f"{self.failed} record(s) were not acknowledged by {self._bootstrap_servers}: "
-                f"{self.first_error}"
+        if self.first_error is not None:
+            raise failures.from_kafka(
+                self.first_error,
+                self._kafka,
+                f"{self.failed} record(s) were not acknowledged by {self._kafka.bootstrap_servers}",
             )
 
 
@@ -310,16 +312,15 @@ class Publisher:
 
 def _producer(kafka: KafkaSettings, compression: str) -> KafkaProducer:
     try:
-        return KafkaProducer(
+        return cluster.build_client(
+            KafkaProducer,
+            kafka,
             acks="all",
             linger_ms=20,
             batch_size=512 * 1024,
             compression_type=None if compression == "none" else compression,
-            bootstrap_timeout_ms=cluster.BOOTSTRAP_TIMEOUT_MS,
-            **kafka.client_kwargs(),
+            **cluster.client_kwargs(kafka),
         )
-    except KafkaError as exc:
-        raise cluster.unreachable(kafka, exc) from exc
     except (AssertionError, ValueError, RuntimeError) as exc:  # kafka-python's codec checks
         raise ConfigError(f"compression {compression} is not available here: {exc}") from exc
 

@@ -19,10 +19,9 @@ legacy v0/v1 message sets (left to kafka-python's loop). The CRC is the same C
 crc32c, called without giving up the GIL (`_crc_holds`). Because that copy and
 the decoder mirror kafka-python's private code, they are used only with the
 exact kafka-python code they were checked against (`_KNOWN_SOURCES`): pyproject
-pins that release and its tests fail on any other; a worker on another falls back
-to kafka-python's own decoder, with a warning.
-`PIPELINE_RECORD_DECODER=kafka-python` forces that fallback; `=batch` makes a
-kafka-python the decoder does not mirror an error instead.
+pins that release and its tests fail on any other; a worker on another refuses to
+start, in one line, unless `PIPELINE_RECORD_DECODER=kafka-python` asks for
+kafka-python's own decoder (`=batch`: the same as the default, `auto`).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from kafka.protocol.consumer import IsolationLevel
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.util import decode_varint
 
-from pipeline.core.errors import ConfigError, PipelineError
+from pipeline.core.errors import ConfigError, PipelineError, SetupError
 
 try:
     from crc32c import crc32c as _crc32c
@@ -107,31 +106,28 @@ def mirrors_installed_kafka_python() -> bool:
 
 
 def install(consumer: kafka.KafkaConsumer) -> bool:
-    """Decode this consumer's fetched batches here; False (kafka-python's own
-    decoder kept) where the installed kafka-python is not the one mirrored."""
+    """Decode this consumer's fetched batches here. A kafka-python that is not the
+    one mirrored is refused (SetupError) unless PIPELINE_RECORD_DECODER=kafka-python
+    asks for kafka-python's own decoder; False where that, or deserializers, keep it."""
     choice = os.environ.get(DECODER_ENV, "auto").strip().lower() or "auto"
     if choice not in DECODERS:
         raise ConfigError(f"{DECODER_ENV}={choice!r}: expected one of {', '.join(DECODERS)}")
     if choice == "kafka-python":
         return False
+    if not mirrors_installed_kafka_python():
+        raise SetupError(
+            f"kafka-python {kafka.__version__} is not the release the batch decoder "
+            f"mirrors ({MIRRORED_RELEASE}): install kafka-python=={MIRRORED_RELEASE}, or set "
+            f"{DECODER_ENV}=kafka-python to decode with kafka-python's own (slower)"
+        )
     fetcher = getattr(consumer, "_fetcher", None)
     config = getattr(fetcher, "config", {})
-    usable = (
-        fetcher is not None
-        and config.get("key_deserializer") is None
-        and config.get("value_deserializer") is None
-        and mirrors_installed_kafka_python()
-    )
-    if not usable and choice == "batch":
-        raise ConfigError(
-            f"{DECODER_ENV}=batch: kafka-python {kafka.__version__} is not the release the "
-            f"batch decoder mirrors ({MIRRORED_RELEASE}), or deserializers are set"
-        )
-    if not usable:
+    if fetcher is None or config.get("key_deserializer") or config.get("value_deserializer"):
+        if choice == "batch":
+            raise ConfigError(f"{DECODER_ENV}=batch: this consumer has deserializers set")
         _announce(
             logging.WARNING,
-            f"record decoding: kafka-python's own (kafka-python {kafka.__version__} is not "
-            "the release the batch decoder mirrors, or deserializers are set; a header key "
+            "record decoding: kafka-python's own (deserializers are set; a header key "
             "that is not UTF-8 then stops the worker at its record)",
         )
         return False

@@ -72,8 +72,6 @@ def collect_status(
         sampled_at = now()
         positions = _lagging_positions(keys, committed, ends, beginnings)
         timestamps = _timestamps_or_warn(reader, positions, deadline, warnings)
-    if group_info["warning"]:
-        warnings.append(f"describe group: {group_info['warning']}")
 
     history = (history or StatusHistory()).for_group(group)
     history.add(sampled_at, {k: (committed.get(k), ends[k]) for k in keys})

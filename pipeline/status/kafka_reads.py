@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment
 
 from pipeline.core.config import KafkaSettings
 from pipeline.kafka import cluster
@@ -128,55 +127,18 @@ def dead_letter_size(
 def describe_group(
     admin: KafkaAdminClient, kafka: KafkaSettings, group: str, deadline: Deadline
 ) -> dict[str, Any]:
-    """The group's state and members with their assignments."""
-    described = cluster.retrying(
-        lambda: admin.describe_groups([group]),
-        f"describing group {group}",
-        kafka,
-        deadline.left(),
-    )
-    info = described.get(group, {})
-    members = [_member(raw) for raw in info.get("members") or []]
-    state = info.get("group_state") or "Unknown"
-    error = info.get("error")
-    # GroupIdNotFound just means no live group: it reads as Dead, no warning.
-    warning = None if not error or "GroupIdNotFound" in error else error
-    return {"state": state, "members": members, "warning": warning}
-
-
-def _member(raw: Mapping[str, Any]) -> dict[str, Any]:
-    host = str(raw.get("client_host") or "")
-    return {
-        "member_id": raw.get("member_id"),
-        "client_id": raw.get("client_id"),
-        "host": host.lstrip("/"),  # the broker reports "/127.0.0.1"
-        "assignments": [
-            {"topic": t, "partition": p} for t, p in _assigned(raw.get("member_assignment"))
-        ],
-    }
-
-
-def _assigned(raw: Any) -> list[Key]:
-    """(topic, partition) pairs of a member assignment, decoded or raw bytes."""
-    if isinstance(raw, bytes | bytearray):
-        if not raw:
-            return []
-        try:
-            raw = ConsumerProtocolAssignment.decode(bytes(raw))
-        except Exception:  # a non-consumer protocol: we cannot tell the owners
-            return []
-    if hasattr(raw, "to_dict"):
-        raw = raw.to_dict()
-    if not isinstance(raw, Mapping):
-        return []
-    pairs = []
-    for entry in raw.get("assigned_partitions") or []:
-        if isinstance(entry, Mapping):
-            topic, partitions = entry.get("topic"), entry.get("partitions") or []
-        else:
-            topic, partitions = entry
-        pairs.extend((topic, int(p)) for p in partitions)
-    return sorted(pairs)
+    """The group's state and members with their assignments (cluster.describe_group)."""
+    info = cluster.describe_group(admin, kafka, group, deadline.left())
+    members = [
+        {
+            "member_id": member.member_id,
+            "client_id": member.client_id,
+            "host": member.host,
+            "assignments": [{"topic": t, "partition": p} for t, p in member.assignments],
+        }
+        for member in info.members
+    ]
+    return {"state": info.state, "members": members}
 
 
 def oldest_timestamps(
