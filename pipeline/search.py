@@ -1,7 +1,18 @@
-"""`pipeline search`: embed a query with the output's own model and look it up."""
+"""`pipeline search`: embed a query with the output's own model and look it up.
+
+The index ranks by the similarity the output records (the model's
+`similarity_fn_name`: sinks.index.metric) and the scores are that similarity, as
+`SentenceTransformer.similarity` gives it: a cosine, a dot product, or minus a
+euclidean or manhattan distance. An index built before similarities were recorded
+(an inner product over the stored vectors) is searched where that is the model's
+ranking (dot; cosine over unit-length vectors) and refused in one line, with the
+rebuild that makes it right, where it is not.
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +20,23 @@ import pyarrow.compute as pc
 
 from pipeline.core.errors import IndexStateError
 from pipeline.core.layout import describe, segments_by_partition
+from pipeline.core.model_info import NORMALIZED
 from pipeline.model.embedder import Embedder
+from sinks.identity import comparable_identity
+from sinks.index import metric as metrics
 from sinks.index.store import Hit, IndexStore
 from sinks.segments import DamagedSegment, read_rows
 from sinks.vectors_swap import read_consistently
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The hits of a query: rows of the output with their `score`, by `similarity`."""
+
+    similarity: str
+    hits: list[dict[str, Any]]
 
 
 def search_output(
@@ -20,6 +44,13 @@ def search_output(
 ) -> list[dict[str, Any]]:
     """`query_prompt` None: the one the output recorded (outputs from before prompts:
     the model's own, pipeline.model.prompts)."""
+    return search(output, query, k, device, query_prompt).hits
+
+
+def search(
+    output: Path, query: str, k: int, device: str = "auto", query_prompt: str | None = None
+) -> Found:
+    """search_output, with the similarity its scores are."""
     store = IndexStore(output, use_gpu=device != "cpu")
     store.load()
     assert store.meta is not None
@@ -34,17 +65,49 @@ def search_output(
     )
     for key, ours in (
         ("model_revision", embedder.info.revision),
-        ("model_identity", embedder.info.identity),
+        ("model_identity", comparable_identity(model, embedder.info)),
     ):
         if model.get(key, ours) != ours:
             raise IndexStateError(
                 f"the index was built with {model.get('model')} ({key} {model.get(key)}), "
                 f"but that model now loads as {ours}"
             )
-    hits = store.search(embedder.embed_queries([query]), k)[0]
+    similarity, legacy_as = _similarity(output, store.meta.similarity, model, embedder.info)
+    hits = store.search(embedder.embed_queries([query]), k, legacy_as)[0]
     # Read again if a compaction exchanged the files meanwhile (sinks.vectors_swap).
     rows = read_consistently(output, lambda: [_row(output, hit) for hit in hits])
-    return [dict(row, score=hit.score) for row, hit in zip(rows, hits, strict=True)]
+    found = [dict(row, score=hit.score) for row, hit in zip(rows, hits, strict=True)]
+    return Found(similarity, found)
+
+
+def _similarity(
+    output: Path, recorded: str | None, model: dict[str, str], info: Any
+) -> tuple[str, str | None]:
+    """(the similarity the scores are, the one a legacy index is searched as)."""
+    if recorded is not None:
+        if recorded != info.similarity:
+            log.warning(
+                "the index of %s searches by %s, as its vectors were embedded; the model now "
+                "names %s (pipeline index rebuild --similarity %s changes the index)",
+                describe(output),
+                recorded,
+                info.similarity,
+                info.similarity,
+            )
+        return recorded, None
+    ours = info.similarity
+    if not metrics.legacy_answers(ours, model):
+        vectors = (
+            "unit-length vectors"
+            if model.get("normalization") == NORMALIZED
+            else "vectors that are not unit length"
+        )
+        raise IndexStateError(
+            f"the index of {describe(output)} was built before similarities were recorded, as "
+            f"an inner product over {vectors}, and {model.get('model', 'the model')} ranks by "
+            f"{ours}; run: pipeline index rebuild --output {describe(output)}"
+        )
+    return ours, ours
 
 
 def _model_name(model_meta: dict[str, str]) -> str:

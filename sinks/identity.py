@@ -16,7 +16,10 @@ What has to match (the identity):
 - the document prompt (e5's "passage: "): the same text with and without it gives
   different vectors;
 - the module stack (pipeline.model.stack: pooling modes, Dense and LayerNorm
-  modules, normalisation), the Matryoshka truncation, and `model_identity`, a hash
+  modules, normalisation), the Matryoshka truncation (and how it was stored:
+  earlier releases normalised a normalising model's cut vectors again, recorded as
+  `normalization` "l2"; now they are sentence-transformers' own cut,
+  "l2-before-truncation"), the similarity the index searches by, and `model_identity`, a hash
   of all of it with the tokenizer's files and every module's weights
   (pipeline.model.spec): outputs written before these were recorded skip them;
 - the precision's kind: int8 (dynamic quantisation, cosine 0.94 mean / 0.83 min
@@ -28,6 +31,12 @@ What has to match (the identity):
 
 The query prompt is recorded (search uses it) but not compared: it changes no
 stored vector.
+
+The tokenizer as transformers builds it (`tokenizer`, ModelSpec.tokenizer_fingerprint:
+a transformers upgrade may change the ids under the same files) is compared and is
+part of `model_identity`. Outputs of releases before it record none: they are
+compared with the identity those releases computed (ModelInfo.legacy_identity), and
+the worker's own segments record the fingerprint from then on.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.core.errors import OutputError
-from pipeline.core.model_info import ModelInfo
+from pipeline.core.model_info import NORMALIZED, NORMALIZED_THEN_CUT, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,10 @@ COMPARED = (
     ("document_prompt", "document prompt"),
     ("modules", "module stack"),
     ("truncate_dim", "Matryoshka dimensions"),
+    # How the index compares the vectors (the model's similarity_fn_name).
+    ("similarity", "similarity"),
+    # The tokenizer as built (its ids), where the output recorded it.
+    ("tokenizer", "tokenizer"),
     # Everything that decides a vector, hashed (tokenizer files, module weights, ...):
     # named last, it speaks for what the items above do not show.
     ("model_identity", "model identity"),
@@ -97,7 +110,7 @@ def recorded_model(output: Any) -> dict[str, str] | None:
 
 def differences(recorded: Mapping[str, str], model: ModelInfo) -> list[str]:
     """What differs between an output's recorded model and `model`, as phrases."""
-    ours = model.as_metadata()
+    ours = {**model.as_metadata(), "model_identity": comparable_identity(recorded, model)}
     found = []
     for key, label in COMPARED:
         theirs = recorded.get(key, ABSENT_MEANS.get(key))
@@ -107,6 +120,14 @@ def differences(recorded: Mapping[str, str], model: ModelInfo) -> list[str]:
     if theirs_kind is not None and theirs_kind != _precision_kind(model.precision):
         found.append(f"precision {recorded.get('precision')} -> {model.precision}")
     return found
+
+
+def comparable_identity(recorded: Mapping[str, str], model: ModelInfo) -> str:
+    """`model`'s identity as the output that recorded `recorded` computed it: without
+    the tokenizer fingerprint where it recorded none (an earlier release's)."""
+    if "tokenizer" not in recorded and model.legacy_identity:
+        return model.legacy_identity
+    return model.identity
 
 
 def check_output_model(output: Any, model: ModelInfo, where: str | None = None) -> None:
@@ -121,6 +142,13 @@ def check_output_model(output: Any, model: ModelInfo, where: str | None = None) 
     where = where or describe(output)
     found = differences(recorded, model)
     if not found:
+        if "tokenizer" not in recorded:
+            log.info(
+                "output %s records no tokenizer fingerprint (an earlier release wrote it): "
+                "matched on the rest of its identity; this worker's segments record %s",
+                where,
+                model.tokenizer or "none",
+            )
         if recorded.get("precision") != model.precision:
             log.info(
                 "output %s holds %s vectors; this worker adds %s ones of the same weights",
@@ -129,6 +157,15 @@ def check_output_model(output: Any, model: ModelInfo, where: str | None = None) 
                 model.precision,
             )
         return
+    if _renormalised_cut(recorded, model, found):
+        raise OutputError(
+            f"{where} holds Matryoshka vectors normalised again after the cut to "
+            f"{model.truncate_dim} dimensions, as releases before 'similarity' was recorded "
+            "stored them; this release stores sentence-transformers' own (the cut of the "
+            "normalised vector, not normalised again) and one output holds one kind: embed "
+            "into a new --output with a new --group (docs/models.md: Matryoshka), or add to "
+            "this one with the release that wrote it"
+        )
     raise OutputError(
         f"{where} holds vectors of {recorded.get('model', 'another model')} and this worker "
         f"embeds with {model.name}: {'; '.join(found)}. One output holds one model's vectors: "
@@ -148,6 +185,18 @@ def _flags_for(recorded: Mapping[str, str], model: ModelInfo) -> str:
     if dimensions and dimensions != str(model.truncate_dim or ""):
         flags += f" --dimensions {dimensions}"
     return flags
+
+
+def _renormalised_cut(recorded: Mapping[str, str], model: ModelInfo, found: list[str]) -> bool:
+    """Whether the same weights' vectors differ by the Matryoshka convention of earlier
+    releases: a normalising model's cut vectors normalised again (recorded as "l2")."""
+    return (
+        bool(found)
+        and recorded.get("model_revision") == model.revision
+        and recorded.get("normalization") == NORMALIZED
+        and model.normalization == NORMALIZED_THEN_CUT
+        and recorded.get("truncate_dim", "") == str(model.truncate_dim)
+    )
 
 
 def _precision_kind(precision: str | None) -> str | None:

@@ -38,6 +38,9 @@ TEXTS = [
     "Short.",
     "def embed(texts): return model.encode(texts)  # code",
     "2026-11-02T10:15:00Z ERROR [db-3] req=9f2c user=1234 took=12.5ms",
+    # Past every limit here (3,000 tokens and more), numbered: the start and the end differ.
+    " ".join(f"({i}) part {i} of a text past every limit here." for i in range(300)),
+    "".join(f"第{i}段：向量检索服务把文本编码成稠密向量，Crème brûlée。" for i in range(120)),
 ]
 
 
@@ -64,6 +67,11 @@ class Case:
     # sentence_bert_config.json's max_seq_length / do_lower_case.
     legacy: dict[str, Any] | None = None
     padding_side: str = "right"
+    # tokenizer_config.json settings (truncation_side, do_lower_case, strip_accents,
+    # tokenize_chinese_chars), as transformers reads them back.
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    max_seq_length: int | None = None  # the Transformer module's, where not the tokenizer's
+    positions: int = 128  # max_position_embeddings of the BERT family
     plain: bool = False  # no modules.json: a bare Hugging Face folder
     refused: str | None = None  # the words a refusal names, for refused cases
 
@@ -133,6 +141,23 @@ CASES: dict[str, Case] = {
     ),
     "bert-cased": Case("bert-cased", ({"type": "Pooling", "mode": "cls"},)),
     "bert-plain": Case("bert", plain=True),
+    # -- tokenizer settings: each changes the ids, read by the fast path or left to Rust
+    "bert-truncate-left": Case("bert", (MEAN, NORMALIZE), tokenizer={"truncation_side": "left"}),
+    # Cut at 2,048 tokens, texts of 3,000 and more: the end kept, then the start.
+    "bert-truncate-left-2048": Case(
+        "bert", (MEAN,), tokenizer={"truncation_side": "left"}, max_seq_length=2048,
+        positions=2048,
+    ),
+    "bert-limit-2048": Case("bert", (MEAN, NORMALIZE), max_seq_length=2048, positions=2048),
+    "bert-keep-accents": Case("bert", (MEAN,), tokenizer={"strip_accents": False}),
+    "bert-cased-strip-accents": Case(
+        "bert-cased", ({"type": "Pooling", "mode": "cls"},), tokenizer={"strip_accents": True}
+    ),
+    "bert-no-chinese-chars": Case("bert", (MEAN,), tokenizer={"tokenize_chinese_chars": False}),
+    "bert-uncased-vocab-cased": Case(
+        "bert", ({"type": "Pooling", "mode": "max"},), tokenizer={"do_lower_case": False}
+    ),
+    "roberta-truncate-left": Case("roberta", (MEAN,), tokenizer={"truncation_side": "left"}),
     # sentence-transformers 1.x/2.x kept the Transformer's files in a folder of its own.
     "bert-transformer-folder": Case("bert", (MEAN, {"type": "Dense", "out": 16})),
     # -- architectures
@@ -208,7 +233,7 @@ def build(name: str, root: Path) -> Path:
     else:
         _sentence_transformer(case, transformer, folder)
     _damage_for_refusal(name, folder)
-    _set_padding_side(folder, case.padding_side)
+    _set_tokenizer_config(folder, case)
     if name == "bert-transformer-folder":
         _transformer_into_its_folder(folder)
     (folder / ".built").write_text("1\n")
@@ -226,14 +251,17 @@ def _transformer_into_its_folder(folder: Path) -> None:
     (folder / "modules.json").write_text(json.dumps(modules))
 
 
-def _set_padding_side(folder: Path, side: str) -> None:
+def _set_tokenizer_config(folder: Path, case: Case) -> None:
     """transformers 5 saves no padding_side: written as folders such as
-    Qwen3-Embedding's carry it, where it is read back."""
-    if side == "right":
+    Qwen3-Embedding's carry it, where it is read back; so are the case's other
+    tokenizer settings."""
+    settings = {**({"padding_side": "left"} if case.padding_side == "left" else {})}
+    settings.update(case.tokenizer)
+    if not settings:
         return
     path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text())
-    config["padding_side"] = side
+    config.update(settings)
     path.write_text(json.dumps(config, indent=2))
 
 
@@ -303,16 +331,16 @@ def _unigram(kind: str) -> Any:
 # ------------------------------------------------------------------ transformers
 
 
-def _config(family: str, tokenizer: Any) -> Any:
+def _config(family: str, tokenizer: Any, positions: int = 128) -> Any:
     import transformers as t
 
     vocab, pad = len(tokenizer), tokenizer.pad_token_id
     common = {"vocab_size": vocab, "pad_token_id": pad}
     bert_like = {
         "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 64, "max_position_embeddings": 128, **common,
+        "intermediate_size": 64, "max_position_embeddings": positions, **common,
     }  # fmt: skip
-    offset = {**bert_like, "max_position_embeddings": 128 + pad + 1}
+    offset = {**bert_like, "max_position_embeddings": positions + pad + 1}
     decoder = {
         "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "intermediate_size": 64, "max_position_embeddings": 128,
@@ -378,12 +406,13 @@ def _transformer(case: Case, root: Path) -> Path:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    folder = root / f"_hf-{case.family}-{case.padding_side}"
+    settings = "".join(f"-{k}={v}" for k, v in sorted(case.tokenizer.items()))
+    folder = root / f"_hf-{case.family}-{case.padding_side}-{case.positions}{settings}"
     if (folder / ".built").is_file():
         return folder
     tokenizer = TOKENIZERS.get(case.family, TOKENIZERS["bert"])()
     tokenizer.padding_side = case.padding_side
-    config = _config(case.family, tokenizer)
+    config = _config(case.family, tokenizer, case.positions)
     torch.manual_seed(SEED)
     if case.family == "t5":
         model = transformers.T5EncoderModel(config)
@@ -396,7 +425,7 @@ def _transformer(case: Case, root: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
-    _set_padding_side(folder, case.padding_side)
+    _set_tokenizer_config(folder, case)
     (folder / ".built").write_text("1\n")
     return folder
 
@@ -424,7 +453,7 @@ def _sentence_transformer(case: Case, transformer: Path, folder: Path) -> None:
 
     torch.manual_seed(SEED + 2)
     legacy = case.legacy or {}
-    modules: list[Any] = [Transformer(str(transformer))]
+    modules: list[Any] = [Transformer(str(transformer), max_seq_length=case.max_seq_length)]
     dim = HIDDEN
     custom: list[int] = []
     for index, spec in enumerate(case.modules, start=1):

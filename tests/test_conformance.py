@@ -1,20 +1,28 @@
 """The pipeline's vectors against sentence-transformers' own, model by model.
 
-For every architecture family and module stack in tests/model_zoo.py (random-weight
-models built here, no network): the pipeline's vectors equal `SentenceTransformer(
-folder).encode(texts, prompt=<the document prompt>)` row by row (cosine >= 0.9999)
-at fp32, and stay within the precision gate at the reduced precisions; every
+For every architecture family, module stack and tokenizer setting in
+tests/model_zoo.py (random-weight models built here, no network): the pipeline's
+vectors equal `SentenceTransformer(folder).encode(texts, prompt=<the document
+prompt>)` row by row at fp32, in value and in norm (pipeline.model.check.compare:
+values and norms within 1e-4, cosine >= 0.9999), texts past the model's limit
+included, and stay within the precision gate at the reduced precisions; every
 module or option the pipeline does not reproduce is refused with one line naming
 it. Then the same through a real worker (`pipeline run --until-end`), and the
 multilingual model as a real one beyond the default.
+
+The reference is sentence-transformers REFERENCE_VERSION (pinned in pyproject.toml;
+docs/models.md says which versions give the same vectors): the pipeline mirrors
+its specifics (texts not stripped, a prompt's length less a trailing special token).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,15 +30,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core.errors import ConfigError, ModelError
-from pipeline.model.embedder import Embedder
+from pipeline.model import check
+from pipeline.model.embedder import TOKENIZER_ENV, Embedder
 from pipeline.model.precision import DEFAULT_MIN_COSINE
 from pipeline.model.spec import ModelSpec
+from pipeline.model.tokenize import fast_path
 from tests import model_zoo
 from tests.helpers import publish_json, run_until_end
 
 st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
 
-PARITY = 0.9999
+PARITY = check.PARITY_MIN_COSINE
+REFERENCE_VERSION = "6.3.0"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -56,12 +68,28 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
 
 
+def assert_equal_vectors(got: np.ndarray, expected: np.ndarray) -> None:
+    """Equal at fp32: values, norms and cosines (pipeline.model.check.compare)."""
+    found = check.compare(got, np.asarray(expected))
+    assert found.passed, f"{found.failures()}: {found.summary()}"
+
+
+def test_the_reference_is_the_pinned_version() -> None:
+    """The tests hold the pipeline to one sentence-transformers release: the one
+    installed, the one pyproject.toml pins."""
+    assert st.__version__ == REFERENCE_VERSION
+    pins = re.findall(r'"sentence-transformers([^"]*)"', (REPO / "pyproject.toml").read_text())
+    assert pins and set(pins) == {f"=={REFERENCE_VERSION}"}
+
+
 @pytest.fixture
 def loaded(zoo: Callable[[str], Path]) -> Iterator[Callable[..., Embedder]]:
     made: list[Embedder] = []
 
     def load(name: str, precision: str = "fp32", **kwargs: Any) -> Embedder:
-        embedder = Embedder.load(str(zoo(name)), precision, "cpu", **kwargs)
+        """A model of the zoo by name, or any folder."""
+        folder = zoo(name) if name in model_zoo.CASES else name
+        embedder = Embedder.load(str(folder), precision, "cpu", **kwargs)
         made.append(embedder)
         return embedder
 
@@ -82,7 +110,7 @@ def test_vectors_equal_sentence_transformers(
     got = embedder.embed(texts)
     assert got.shape == expected.shape
     assert embedder.info.dim == expected.shape[1]
-    assert cosines(got, expected).min() >= PARITY
+    assert_equal_vectors(got, expected)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
@@ -121,8 +149,10 @@ def test_on_cuda_within_the_gate(
         got = embedder.embed(texts)
     finally:
         embedder.close()
-    floor = PARITY if precision == "fp32" else DEFAULT_MIN_COSINE
-    assert cosines(got, expected).min() >= floor
+    if precision == "fp32":
+        assert_equal_vectors(got, expected)
+    else:
+        assert cosines(got, expected).min() >= DEFAULT_MIN_COSINE
 
 
 def test_the_checks_see_a_difference(loaded: Callable[..., Embedder], texts: list[str]) -> None:
@@ -130,6 +160,58 @@ def test_the_checks_see_a_difference(loaded: Callable[..., Embedder], texts: lis
     mean = loaded("bert-mean-normalize").embed(texts)
     cls = loaded("bert-cls").embed(texts)
     assert cosines(mean, cls).min() < 0.99
+
+
+def _wrong_stack(folder: Path, tmp_path: Path, wrong: str) -> Path:
+    """A copy of `folder` that differs from it by a per-row scale alone."""
+    copy = _copy(folder, tmp_path)
+    if wrong == "no-normalize":
+        modules = json.loads((copy / "modules.json").read_text())
+        (copy / "modules.json").write_text(json.dumps(modules[:-1]))
+    elif wrong == "mean-for-mean-sqrt":
+        config = copy / "1_Pooling" / "config.json"
+        config.write_text(config.read_text().replace("mean_sqrt_len_tokens", "mean"))
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("wrong", "right"),
+    [
+        ("no-normalize", "bert-mean-normalize"),
+        ("mean-for-mean-sqrt", "bert-mean-sqrt"),
+        ("row-scale", "bert-max"),
+    ],
+)
+def test_the_parity_checks_see_what_a_cosine_does_not(
+    wrong: str,
+    right: str,
+    loaded: Callable[..., Embedder],
+    zoo: Callable[[str], Path],
+    texts: list[str],
+    tmp_path: Path,
+) -> None:
+    """A stack that differs from the model's by a factor per row (a missing Normalize,
+    mean pooling for mean_sqrt_len_tokens, any scale) has the reference's cosines to
+    the last digit: the comparison of values and norms, and `pipeline model check`,
+    report it."""
+    model = loaded(right)
+    scale = 1 + 1e-3 * (np.arange(len(texts)) % 3 + 1)
+
+    def scaled(batch: list[str]) -> np.ndarray:
+        return model.embed(batch) * scale[: len(batch), None]
+
+    embed = (
+        scaled
+        if wrong == "row-scale"
+        else loaded(str(_wrong_stack(zoo(right), tmp_path, wrong))).embed
+    )
+    expected = reference(zoo(right), texts, "")
+    found = check.compare(embed(texts), expected)
+    assert found.cosine_min >= PARITY  # cosines alone: equal
+    assert not found.passed and any("norms differ" in f for f in found.failures())
+    parity = check.against_reference(SimpleNamespace(spec=model.spec, embed=embed), texts[:4])
+    assert not parity.passed and parity.cosine_min >= PARITY
+    assert "DIFFERENT (" in parity.describe() and "norms differ" in parity.describe()
 
 
 def test_lower_casing_is_what_makes_the_legacy_case_equal(
@@ -156,20 +238,81 @@ def test_excluded_prompt_tokens_are_counted_as_sentence_transformers_counts(
 
 
 @pytest.mark.parametrize("dimensions", [None, 8, 32])
-def test_matryoshka_truncates_then_normalises(
+def test_matryoshka_truncates_as_sentence_transformers_does(
     dimensions: int | None, loaded: Callable[..., Embedder], texts: list[str]
 ) -> None:
+    """The first N values, in value and norm as SentenceTransformer(truncate_dim=N)
+    gives them (not normalised again)."""
     embedder = loaded("bert-matryoshka", dimensions=dimensions)
     wanted = dimensions or 12  # the model's own truncate_dim
     expected = reference(Path(embedder.info.path), texts, "", truncate_dim=wanted)
     got = embedder.embed(texts)
     assert got.shape == (len(texts), wanted) == expected.shape
-    assert cosines(got, expected).min() >= PARITY
+    assert_equal_vectors(got, expected)
     if wanted < 32:
-        assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # normalised again
         assert embedder.info.truncate_dim == wanted
     else:
         assert embedder.info.truncate_dim is None  # all of it: no truncation at all
+
+
+# ------------------------------------------------------------------ tokenizer settings
+
+
+@pytest.mark.parametrize(
+    ("name", "fast_path_serves"),
+    [
+        ("bert-truncate-left", False),  # the fast path cuts on the right alone
+        ("bert-truncate-left-2048", False),
+        ("roberta-truncate-left", False),  # not WordPiece: the Rust tokenizer anyway
+        ("bert-limit-2048", True),
+        ("bert-keep-accents", True),
+        ("bert-cased-strip-accents", True),
+        ("bert-no-chinese-chars", True),
+        ("bert-uncased-vocab-cased", True),
+        ("bert-legacy-lower-case", False),  # a Lowercase normaliser in front of BERT's
+    ],
+)
+def test_tokenizer_settings_give_the_rust_tokenizers_ids(
+    name: str, fast_path_serves: bool, loaded: Callable[..., Embedder], texts: list[str]
+) -> None:
+    """Each setting that decides the ids is read by the fast path or leaves it: the
+    ids are the Rust tokenizer's (sentence-transformers' own), texts past the model's
+    limit included; their vectors are in test_vectors_equal_sentence_transformers."""
+    embedder = loaded(name)
+    assert (embedder._wordpiece is not None) == fast_path_serves
+    got = embedder.tokenize(texts)
+    want, truncated = embedder._encode(embedder.prompted(texts))
+    assert got.ids == want and got.truncated == truncated > 0
+
+
+def test_the_rust_tokenizer_forced_gives_the_same_vectors(
+    loaded: Callable[..., Embedder], texts: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = loaded("bert-limit-2048")
+    assert fast._wordpiece is not None
+    monkeypatch.setenv(TOKENIZER_ENV, "rust")
+    rust = loaded("bert-limit-2048")
+    assert rust._wordpiece is None
+    assert_equal_vectors(fast.embed(texts), rust.embed(texts))
+
+
+def test_model_check_cuts_texts_past_the_limit_where_sentence_transformers_does(
+    loaded: Callable[..., Embedder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pipeline model check` adds texts past the model's own limit (2,048 here, ASCII
+    and not): a fast path that cut the wrong end, as one that never read
+    truncation_side did, is reported."""
+    sample = model_zoo.TEXTS[:3]
+    parity = check.against_reference(loaded("bert-truncate-left-2048"), sample)
+    assert parity.passed, parity.describe()
+    assert (parity.past_limit, parity.max_length, parity.texts) == (2, 2048, 5)
+    monkeypatch.setattr(fast_path, "declined", lambda spec, max_length: None)
+    monkeypatch.setattr(fast_path, "_agrees", lambda *args, **kwargs: True)
+    wrong = loaded("bert-truncate-left-2048")
+    assert wrong._wordpiece is not None
+    parity = check.against_reference(wrong, sample)
+    # Mean pooling over 2,046 tokens of like text: the cosine barely moves, the values do.
+    assert not parity.passed and "values differ" in parity.describe()
 
 
 def test_dimensions_beyond_the_model_are_refused(zoo: Callable[[str], Path]) -> None:
@@ -246,7 +389,7 @@ def test_the_multilingual_model_equals_sentence_transformers(
     finally:
         embedder.close()
     assert got.shape == expected.shape == (len(texts), 384)
-    assert cosines(got, expected).min() >= PARITY
+    assert_equal_vectors(got, expected)
 
 
 # ------------------------------------------------------------------ through the worker
@@ -298,7 +441,7 @@ def test_worker_output_equals_sentence_transformers(
         str(folder), dimensions=int(extra[1]) if extra[:1] == ("--dimensions",) else None
     )
     expected = reference(folder, corpus, spec.prompts.document, spec.truncate_dim)
-    assert cosines(got, expected).min() >= PARITY
+    assert_equal_vectors(got, expected)
     meta = pq.read_schema(next((output / "vectors").glob("*.parquet"))).metadata
     assert meta[b"embedding.model_identity"].decode() == spec.identity
     assert meta[b"embedding.modules"].decode() == spec.stack.describe()
@@ -359,7 +502,8 @@ def test_model_check_prints_the_plan_and_the_parity(zoo: Callable[[str], Path]) 
         "max length   128 tokens",
         "prompts      document 'passage: ', query 'query: '",
         f"identity     {spec.identity}",
-        "parity       PASS: cosine to sentence-transformers",
+        f"parity       PASS: to sentence-transformers {REFERENCE_VERSION} on 65 texts, 2 past "
+        "the 128-token limit (fp32, CPU): cosine min 1.000000",
     ):
         assert line in result.output, result.output
 
@@ -375,6 +519,9 @@ def test_model_check_json_and_a_difference_exits_1(
     assert report["model"]["pooling"] == "lasttoken" and report["model"]["padding_side"] == "left"
     assert report["sentence_transformers"]["passed"] is True
     assert report["sentence_transformers"]["cosine_min"] >= PARITY
+    assert report["sentence_transformers"]["value_error"] <= check.VALUE_RTOL
+    assert report["sentence_transformers"]["norm_error"] <= check.NORM_RTOL
+    assert report["sentence_transformers"]["past_limit"] == 2
     # A head that pools otherwise than the model says: the check notices, exit 1.
     from pipeline.model import head
 

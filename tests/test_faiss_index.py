@@ -27,18 +27,21 @@ DIM = 16
 Row = tuple[str, int, int]
 
 
-def model_info(dim: int = DIM) -> ModelInfo:
+def model_info(dim: int = DIM, similarity: str = "cosine", normalize: bool = True) -> ModelInfo:
     return ModelInfo(
-        "test-model", "/m", "sha256:feedfacefeedface", dim, "mean", True, 256, "fp32", "cpu"
-    )
+        "test-model", "/m", "sha256:feedfacefeedface", dim, "mean", normalize, 256, "fp32",
+        "cpu", similarity=similarity,
+    )  # fmt: skip
 
 
 class Output:
-    """An output directory with Parquet segments written by the real sink."""
+    """An output directory with Parquet segments written by the real sink: unit vectors,
+    or (`similarity` given) vectors of many lengths, as models without Normalize give."""
 
-    def __init__(self, root: Path, dim: int = DIM) -> None:
+    def __init__(self, root: Path, dim: int = DIM, similarity: str | None = None) -> None:
         self.root = root
-        self.sink = ParquetSink(root, model_info(dim))
+        self.unit = similarity is None
+        self.sink = ParquetSink(root, model_info(dim, similarity or "cosine", self.unit))
         self.sink.prepare()
         self.dim = dim
         self.vectors: dict[Row, np.ndarray] = {}
@@ -69,6 +72,8 @@ class Output:
         ]
         v = self._rng.standard_normal((len(offsets), self.dim)).astype(np.float32)
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        if not self.unit:
+            v *= self._rng.uniform(0.2, 5.0, (len(v), 1)).astype(np.float32)
         for o, row in zip(offsets, v, strict=True):
             self.vectors[(topic, partition, o)] = row
         key = SegmentKey(topic, partition, first)
@@ -637,3 +642,167 @@ def test_scratch_folders_of_killed_workers_are_removed(tmp_path, monkeypatch) ->
     index_files._remove_scratch_of_dead_processes()
     assert not dead.exists()
     assert alive.exists() and other.exists()
+
+
+# ------------------------------------------------------------------ similarity
+
+
+def reference_scores(queries: np.ndarray, corpus: np.ndarray, similarity: str) -> np.ndarray:
+    """SentenceTransformer.similarity's definitions, in numpy."""
+    if similarity == "cosine":
+        unit = lambda x: x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)  # noqa: E731
+        return unit(queries) @ unit(corpus).T
+    if similarity == "dot":
+        return queries @ corpus.T
+    difference = queries[:, None, :] - corpus[None, :, :]
+    if similarity == "euclidean":
+        return -np.sqrt((difference**2).sum(-1))
+    return -np.abs(difference).sum(-1)
+
+
+def offsets_and_vectors(out: Output) -> tuple[list[int], np.ndarray]:
+    offsets = sorted(o for (_, _, o) in out.vectors)
+    return offsets, np.stack([out.vectors[("t", 0, o)] for o in offsets])
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot", "euclidean", "manhattan"])
+def test_the_index_ranks_and_scores_by_the_recorded_similarity(
+    tmp_path: Path, similarity: str
+) -> None:
+    out = Output(tmp_path, similarity=similarity)
+    out.segment("t", 0, 0, 199)
+    out.segment("t", 0, 200, 299)
+    store = IndexStore(out.root, shard_cap=128)
+    assert store.sync() == 300
+    assert meta_json(out.root)["similarity"] == similarity
+    assert meta_json(out.root)["model"]["similarity"] == similarity
+    offsets, corpus = offsets_and_vectors(out)
+    queries = np.random.default_rng(5).standard_normal((8, DIM)).astype(np.float32) * 3
+    expected = reference_scores(queries, corpus, similarity)
+    for query, row in zip(IndexStore(out.root).search(queries, k=10), expected, strict=True):
+        best = np.argsort(-row, kind="stable")[:10]
+        assert [h.offset for h in query] == [offsets[i] for i in best]
+        np.testing.assert_allclose([h.score for h in query], row[best], rtol=1e-4, atol=1e-4)
+
+
+def test_the_parquet_keeps_the_vectors_and_only_the_cosine_index_normalises(
+    tmp_path: Path,
+) -> None:
+    from sinks.index.shards import contents, read_index_file
+
+    for similarity, normalised in (("cosine", True), ("dot", False), ("euclidean", False)):
+        out = Output(tmp_path / similarity, similarity=similarity)
+        out.segment("t", 0, 0, 9)
+        IndexStore(out.root).sync()
+        (shard,) = meta_json(out.root)["shards"]
+        vectors, _ = contents(read_index_file(index_dir(out.root) / shard["file"], 10))
+        _, stored = offsets_and_vectors(out)
+        if normalised:
+            stored = stored / np.linalg.norm(stored, axis=1, keepdims=True)
+        np.testing.assert_allclose(vectors, stored, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("index_type", "similarity"),
+    [("ivf", "dot"), ("ivf", "euclidean"), ("ivf", "manhattan"), ("ivf-pq", "euclidean")],
+)
+def test_trained_indexes_search_by_the_similarity(
+    tmp_path: Path, index_type: str, similarity: str
+) -> None:
+    out = Output(tmp_path, similarity=similarity)
+    for first in range(0, 1200, 300):
+        out.segment("t", 0, first, first + 299)
+    assert IndexStore(out.root, index_type=index_type).rebuild() == 1200
+    data = meta_json(out.root)
+    assert (data["similarity"], data["index_type"]) == (similarity, index_type)
+    assert 0.1 <= data["recall_at_10"] <= 1.0
+    out.segment("t", 0, 1200, 1209)
+    assert IndexStore(out.root).sync() == 10  # a flat shard of the same metric after it
+    report = check_index(out.root, recall=True)
+    assert report.ok and report.similarity == similarity
+    assert 0.1 <= (report.measured_recall_at_10 or 0) <= 1.0
+    hits = IndexStore(out.root).search(out.vectors[("t", 0, 1205)][None, :], k=1)[0]
+    if similarity != "dot":  # a vector is its own nearest by a distance (not by dot)
+        assert hits[0].offset == 1205
+        if index_type == "ivf":  # IVF-PQ's distances are of the quantised vectors
+            assert hits[0].score == pytest.approx(0.0, abs=1e-3)
+
+
+def test_an_index_type_without_the_metric_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = Output(tmp_path, similarity="manhattan")
+    for first in range(0, 1200, 300):
+        out.segment("t", 0, first, first + 299)
+    with pytest.raises(IndexStateError) as refused:
+        IndexStore(out.root, index_type="ivf-pq").rebuild()
+    assert "manhattan" in str(refused.value) and "\n" not in str(refused.value)
+    assert not index_dir(out.root).exists() or not index_files_on_disk(out.root)
+
+
+def test_a_rebuild_may_choose_the_similarity(out: Output) -> None:
+    out.segment("t", 0, 0, 49)
+    IndexStore(out.root).sync()
+    assert meta_json(out.root)["similarity"] == "cosine"
+    IndexStore(out.root, similarity="euclidean").rebuild()
+    assert meta_json(out.root)["similarity"] == "euclidean"
+    out.segment("t", 0, 50, 59)
+    assert IndexStore(out.root).sync() == 10  # syncs keep the index's similarity
+    assert meta_json(out.root)["similarity"] == "euclidean"
+    assert sorted(fresh_rows(out.root)) == sorted(out.parquet_rows())
+
+
+def test_a_shard_of_another_metric_than_index_json_is_refused(tmp_path: Path) -> None:
+    out = Output(tmp_path, similarity="dot")
+    out.segment("t", 0, 0, 9)
+    IndexStore(out.root).sync()
+    data = meta_json(out.root)
+    data["similarity"] = "euclidean"  # same file size: only the header tells
+    (index_dir(out.root) / INDEX_META_FILE).write_text(json.dumps(data))
+    with pytest.raises(IndexStateError, match="pipeline index rebuild") as refused:
+        IndexStore(out.root).load()
+    assert "\n" not in str(refused.value)
+
+
+def legacy(root: Path) -> None:
+    """index.json as releases before similarities were recorded wrote it."""
+    data = meta_json(root)
+    del data["similarity"]
+    del data["model"]["similarity"]
+    (index_dir(root) / INDEX_META_FILE).write_text(json.dumps(data))
+
+
+def test_an_index_from_before_similarities_is_an_inner_product_and_stays_one(
+    tmp_path: Path,
+) -> None:
+    from sinks.index.shards import contents, read_index_file
+
+    out = Output(tmp_path, similarity="dot")
+    out.segment("t", 0, 0, 99)
+    IndexStore(out.root).sync()
+    legacy(out.root)
+    offsets, corpus = offsets_and_vectors(out)
+    query = corpus[7:8] * 2
+    hits = IndexStore(out.root).search(query, k=5)[0]
+    best = np.argsort(-(query @ corpus.T)[0], kind="stable")[:5]
+    assert [h.offset for h in hits] == [offsets[i] for i in best]
+    # A worker of this release extends it as it is: raw vectors, inner product.
+    out.segment("t", 0, 100, 109)
+    assert IndexStore(out.root).sync() == 10
+    data = meta_json(out.root)
+    assert data["similarity"] is None
+    newest = index_dir(out.root) / data["shards"][-1]["file"]
+    vectors, _ = contents(read_index_file(newest, data["shards"][-1]["count"]))
+    np.testing.assert_array_equal(
+        vectors[-10:], [out.vectors[("t", 0, o)] for o in range(100, 110)]
+    )
+    # A rebuild makes it what the segments record.
+    IndexStore(out.root).rebuild()
+    assert meta_json(out.root)["similarity"] == "dot"
+    assert check_index(out.root).similarity == "dot"
+
+
+def test_index_check_names_the_similarity(tmp_path: Path) -> None:
+    out = Output(tmp_path, similarity="manhattan")
+    out.segment("t", 0, 0, 9)
+    IndexStore(out.root).sync()
+    code, report = run_check(out.root)
+    assert code == 0 and report["similarity"] == "manhattan"

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +20,21 @@ from pipeline.core.errors import OutputError
 from pipeline.core.layout import SegmentKey
 from pipeline.core.model_info import ModelInfo
 from pipeline.core.records import GoodRecord, SourceRecord
+from pipeline.model.spec import ModelSpec
 from sinks.identity import check_output_model, differences, recorded_model
 from sinks.parquet import ParquetSink
 from tests.helpers import (
+    PIPELINE,
     committed_offsets,
     corpus_records,
     output_rows,
     publish_json,
     run_until_end,
     truncate,
+    worker_env,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 DIM = 8
 MODEL = ModelInfo(
@@ -39,6 +47,9 @@ MODEL = ModelInfo(
     max_length=256,
     precision="fp32",
     device="cpu",
+    identity="sha256:aaaaaaaaaaaaaaaa",
+    tokenizer="sha256:1111111111111111",
+    legacy_identity="sha256:bbbbbbbbbbbbbbbb",
 )
 
 
@@ -76,6 +87,7 @@ def test_the_footer_records_the_whole_identity(tmp_path: Path) -> None:
     assert meta["embedding.precision"] == "fp32"
     assert meta["embedding.document_prompt"] == "passage: "
     assert meta["embedding.query_prompt"] == "query: "
+    assert meta["embedding.tokenizer"] == model.tokenizer
     assert recorded_model(tmp_path) == {k.removeprefix("embedding."): v for k, v in meta.items()}
 
 
@@ -97,6 +109,7 @@ def test_an_empty_output_has_no_recorded_model(tmp_path: Path) -> None:
         ({"modules": "Transformer > Pooling(cls)"}, "module stack"),
         ({"truncate_dim": 4, "dim": 4}, "Matryoshka dimensions"),
         ({"identity": "sha256:2222222222222222"}, "model identity"),
+        ({"tokenizer": "sha256:3333333333333333"}, "tokenizer"),
     ],
 )
 def test_another_identity_is_refused_in_one_line(
@@ -166,6 +179,124 @@ def test_damaged_and_vanished_footers_are_skipped(tmp_path: Path) -> None:
         check_output_model(tmp_path, other(revision="sha256:ffffffffffffffff"), "out")
 
 
+# ------------------------------------------------------------- the tokenizer as built
+
+
+def as_the_release_before(segment: Path, model: ModelInfo) -> None:
+    """Rewrites a segment's footer as the release before wrote it: no tokenizer
+    fingerprint, and the identity that release computed."""
+    table = pq.read_table(segment)
+    meta = dict(table.schema.metadata or {})
+    del meta[b"embedding.tokenizer"]
+    meta[b"embedding.model_identity"] = model.legacy_identity.encode()
+    pq.write_table(table.replace_schema_metadata(meta), segment)
+
+
+def test_an_output_of_the_release_before_is_matched_then_fingerprinted(tmp_path: Path) -> None:
+    """Outputs of the release before record no tokenizer fingerprint: the same model
+    adds to them (matched on the identity that release computed), and its segments
+    record the fingerprint, which is compared from then on."""
+    as_the_release_before(publish_segment(tmp_path, MODEL, first=0), MODEL)
+    assert "tokenizer" not in (recorded_model(tmp_path) or {})
+    check_output_model(tmp_path, MODEL, "out")
+    with pytest.raises(OutputError, match="model identity sha256:bbbbbbbbbbbbbbbb -> sha256:c"):
+        check_output_model(tmp_path, other(legacy_identity="sha256:cccccccccccccccc"), "out")
+
+    publish_segment(tmp_path, MODEL, first=3)  # the worker's own, last by name
+    rebuilt = other(tokenizer="sha256:3333333333333333", identity="sha256:dddddddddddddddd")
+    with pytest.raises(OutputError, match="tokenizer sha256:1111111111111111 -> sha256:3333"):
+        check_output_model(tmp_path, rebuilt, "out")
+
+
+def built_otherwise(spec: ModelSpec) -> list[ModelSpec]:
+    """The same model folder with its tokenizer built otherwise: what a transformers
+    upgrade may do under the same files."""
+    built = spec.tokenizer
+    backend = json.loads(built.backend_json)
+    backend["normalizer"]["strip_accents"] = not backend["normalizer"]["strip_accents"]
+    changes = [
+        {"truncation_side": "left"},
+        {"padding_side": "left"},
+        {"split_special_tokens": not built.split_special_tokens},
+        {"special_ids": (*built.special_ids, 999)},
+        {"backend_json": json.dumps(backend)},
+    ]
+    return [dataclasses.replace(spec, tokenizer=dataclasses.replace(built, **c)) for c in changes]
+
+
+def test_the_tokenizer_as_built_is_part_of_the_identity(tiny_model: str) -> None:
+    spec = ModelSpec.read(tiny_model)
+    info = spec.info("fp32", "cpu")
+    assert info.tokenizer == spec.tokenizer_fingerprint
+    assert info.identity == spec.identity != spec.legacy_identity
+    for rebuilt in built_otherwise(spec):
+        assert rebuilt.tokenizer.files_hash == spec.tokenizer.files_hash
+        assert rebuilt.identity != spec.identity
+        # What the release before hashed could not tell them apart.
+        assert rebuilt.legacy_identity == spec.legacy_identity
+        found = differences(info.as_metadata(), rebuilt.info("fp32", "cpu"))
+        assert [d.split()[0] for d in found] == ["tokenizer", "model"]
+
+
+def test_what_makes_no_id_leaves_the_fingerprint(tiny_model: str) -> None:
+    """The decoder (ids to text) and the order of the serialised keys make no id."""
+    spec = ModelSpec.read(tiny_model)
+    backend = json.loads(spec.tokenizer.backend_json)
+    backend["decoder"] = None
+    reordered = json.dumps(dict(reversed(list(backend.items()))))
+    same = dataclasses.replace(
+        spec, tokenizer=dataclasses.replace(spec.tokenizer, backend_json=reordered)
+    )
+    assert same.identity == spec.identity
+
+
+def test_a_tokenizer_transformers_builds_otherwise_is_another_identity(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through ModelSpec.read: the same files, a tokenizer transformers builds with
+    another normaliser (a new version, so a new resolved-tokenizer cache)."""
+    from pipeline.model.tokenize import resolve
+
+    before = ModelSpec.read(tiny_model)
+    build = resolve._from_transformers
+
+    def upgraded(*args: Any) -> Any:
+        built = build(*args)
+        backend = json.loads(built.backend_json)
+        backend["normalizer"]["clean_text"] = not backend["normalizer"]["clean_text"]
+        return dataclasses.replace(built, backend_json=json.dumps(backend))
+
+    monkeypatch.setattr(resolve, "_from_transformers", upgraded)
+    monkeypatch.setenv(resolve.CACHE_ENV, str(tmp_path / "cache"))
+    after = ModelSpec.read(tiny_model)
+    assert after.tokenizer.files_hash == before.tokenizer.files_hash
+    assert after.revision == before.revision
+    assert after.identity != before.identity
+    assert after.legacy_identity == before.legacy_identity
+
+
+def test_the_same_model_has_one_identity_twice_and_across_processes(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """Read again, and in another process that resolves its tokenizer and hashes its
+    weights anew (an empty metadata cache)."""
+    from pipeline.model.tokenize.resolve import CACHE_ENV
+
+    first, again = ModelSpec.read(tiny_model), ModelSpec.read(tiny_model)
+    assert first.identity == again.identity
+    code = (
+        "import sys; from pipeline.model.spec import ModelSpec; "
+        "print(ModelSpec.read(sys.argv[1]).identity)"
+    )
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "fresh")}
+    other_process = subprocess.run(
+        [sys.executable, "-c", code, tiny_model],
+        env=env, capture_output=True, text=True, check=True, cwd=REPO,
+    )  # fmt: skip
+    assert other_process.stdout.strip().splitlines()[-1] == first.identity
+    assert (tmp_path / "fresh").is_dir()  # resolved there, not read from this session's
+
+
 @pytest.mark.integration
 @pytest.mark.s3
 def test_an_s3_output_is_checked_alike(s3_url: str) -> None:
@@ -218,3 +349,43 @@ def test_worker_refuses_another_identity_before_consuming(
     again = run_until_end(broker, topic, group_id, output, "--model", tiny_model)
     assert again.returncode == 0, again.stderr[-2000:]
     assert len(output_rows(output)) == 30
+
+
+@pytest.mark.integration
+def test_a_worker_adds_to_an_output_of_the_release_before(
+    broker: str, make_topic, group_id: str, tmp_path: Path, tiny_model: str
+) -> None:
+    """An output whose footers and index record no tokenizer fingerprint, as the release
+    before wrote them: the same model adds to it, its new segments record the
+    fingerprint, and search answers from it."""
+    topic = make_topic(partitions=1)
+    output = tmp_path / "out"
+    publish_json(broker, topic, corpus_records(10), partitions=1)
+    first = run_until_end(broker, topic, group_id, output, "--model", tiny_model)
+    assert first.returncode == 0, first.stderr[-2000:]
+    info = ModelSpec.read(tiny_model).info("fp32", "cpu")
+    before = sorted((output / "vectors").glob("*.parquet"))
+    for segment in before:
+        as_the_release_before(segment, info)
+    index = output / "index" / "index.json"
+    meta = json.loads(index.read_text())
+    del meta["model"]["tokenizer"]
+    meta["model"]["model_identity"] = info.legacy_identity
+    index.write_text(json.dumps(meta))
+
+    publish_json(broker, topic, corpus_records(5, seed=1), partitions=1)
+    again = run_until_end(broker, topic, group_id, output, "--model", tiny_model)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(output_rows(output)) == 15
+    added = sorted(set((output / "vectors").glob("*.parquet")) - set(before))
+    assert added
+    for segment in added:
+        footer = pq.read_schema(segment).metadata or {}
+        assert footer[b"embedding.tokenizer"].decode() == info.tokenizer
+        assert footer[b"embedding.model_identity"].decode() == info.identity
+    found = subprocess.run(
+        [*PIPELINE, "search", "--output", str(output), "-k", "3", "--json", "text"],
+        env=worker_env(broker), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert len(json.loads(found.stdout)["hits"]) == 3

@@ -9,6 +9,7 @@ import re
 import string
 import subprocess
 import sys
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -391,3 +392,137 @@ def test_tokenize_bench_compares_both_paths_on_every_corpus(tmp_path: Path) -> N
     assert all(r["ids_equal"] and r["taken"] > 0.5 for r in rows), rows
     for key in ("rust_cold_us", "fast_warm_us", "process2_rust_warm_us", "process1_fast_cold_us"):
         assert all(r[key] > 0 for r in rows), (key, rows)
+
+
+_PADDING = {
+    "strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": None, "pad_id": 0,
+    "pad_type_id": 0, "pad_token": "[PAD]",
+}  # fmt: skip
+
+
+def _truncating(tokenizer: Tokenizer, max_length: int, direction: str = "right") -> Tokenizer:
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.enable_truncation(max_length, direction=direction)
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda s: s["truncation"].update(direction="Left"), "truncates on the left"),
+        (lambda s: s["truncation"].update(stride=4), "without stride"),
+        (lambda s: s["truncation"].update(max_length=64), "not at 256 tokens"),
+        (lambda s: s["truncation"].update(strategy="OnlySecond"), "strategy"),
+        (lambda s: s.update(truncation=None), "does not truncate"),
+        (lambda s: s.update(padding=_PADDING), "pads"),
+        # Keys of a later `tokenizers` (this one drops them when it reads the JSON).
+        (lambda s: s["normalizer"].update(some_new_setting=True), "normaliser"),
+        (lambda s: s["model"].update(some_new_setting=True), "model"),
+        (lambda s: s.update(some_new_section={}), "unknown tokenizer settings"),
+        (lambda s: s["post_processor"]["special_tokens"]["[CLS]"].update(ids=[5]), "[CLS]"),
+        (lambda s: s["post_processor"]["single"][1]["Sequence"].update(id="B"), "[CLS] text"),
+    ],
+)
+def test_a_setting_the_fast_path_does_not_reproduce_leaves_it(
+    embedder: Embedder, edit: Callable[[dict], object], named: str
+) -> None:
+    """Every setting of the serialised tokenizer that decides the ids is read: one the
+    fast path does not reproduce (truncation_side left among them) leaves every text
+    to the Rust tokenizer, and says why."""
+    length = embedder.info.max_length
+    spec = json.loads(rust(embedder).to_str())
+    assert fast_path.declined(spec, length) is None
+    edit(spec)
+    assert named in (fast_path.declined(spec, length) or "")
+    if "some_new" not in json.dumps(spec):
+        assert fast_path.for_tokenizer(Tokenizer.from_str(json.dumps(spec)), length) is None
+
+
+@pytest.mark.parametrize("limit", [2, 3, 16, 512, 2048, 8192])
+def test_the_check_at_load_cuts_at_the_tokenizers_own_limit(
+    embedder: Embedder, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the limit (2,048 included, past every text of the old sample), the
+    check at load takes texts just under, at, just over and far past it, ASCII and
+    not: a fast path that cut the other end, or one token late, is refused by the
+    check alone."""
+    tokenizer = _truncating(rust(embedder), limit)
+    fast = fast_path.for_tokenizer(tokenizer, limit)
+    assert fast is not None and fast.unicode_rules() is not None
+    checked: dict[str, list[str]] = {}
+    agrees = fast_path._agrees
+
+    def spy(fast: wordpiece.FastWordPiece, rust: Tokenizer, texts, what: str = "sample") -> bool:
+        checked[what] = list(texts)
+        return agrees(fast, rust, checked[what], what)
+
+    monkeypatch.setattr(fast_path, "_agrees", spy)
+    again = fast_path.for_tokenizer(tokenizer, limit)
+    assert again is not None and again.unicode_rules() is not None
+    untruncated = Tokenizer.from_str(tokenizer.to_str())
+    untruncated.no_truncation()
+    for what, ascii in (("sample", True), ("mixed-script", False)):
+        lengths = [
+            len(untruncated.encode(t).ids) for t in checked[what] if again.handles(t)
+            and t.isascii() == ascii
+        ]  # fmt: skip
+        # Words of one token each, one less than the limit takes (none: "" is ASCII), as
+        # many, one more.
+        assert {n + 2 for n in (limit - 3, limit - 2, limit - 1) if n > 0} <= set(lengths), what
+        assert max(lengths) > limit, what
+
+    # The other end kept (truncation_side left, were it not read): the check refuses it
+    # (at 2, [CLS] [SEP] alone, both ends are the same).
+    monkeypatch.setattr(fast_path, "_agrees", agrees)
+    monkeypatch.setattr(fast_path, "_truncation_declined", lambda truncation, length: None)
+    left = fast_path.for_tokenizer(_truncating(rust(embedder), limit, "left"), limit)
+    assert (left is None) == (limit > 2)
+    # One token late: refused too.
+    init = wordpiece.FastWordPiece.__init__
+
+    def late(self: wordpiece.FastWordPiece, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        self._max_body += 1
+
+    monkeypatch.setattr(wordpiece.FastWordPiece, "__init__", late)
+    assert fast_path.for_tokenizer(tokenizer, limit) is None
+
+
+def test_non_ascii_texts_cut_one_token_late_leave_the_non_ascii_rules(
+    embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check of the non-ASCII rules has texts past the limit of its own: a cut
+    that differs there alone (here one token late) leaves non-ASCII text to Rust."""
+    tokenizer = _truncating(rust(embedder), 2048)
+    fast = fast_path.for_tokenizer(tokenizer, 2048)
+    assert fast is not None
+    flat = fast.encode_unicode_flat
+    encode = fast.encode
+
+    def late(texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+        fast._max_body += 1
+        try:
+            return flat(texts)
+        finally:
+            fast._max_body -= 1
+
+    def late_one(text: str) -> tuple[list[int], bool]:
+        if text.isascii():
+            return encode(text)
+        fast._max_body += 1
+        try:
+            return encode(text)
+        finally:
+            fast._max_body -= 1
+
+    monkeypatch.setattr(fast, "encode_unicode_flat", late)
+    monkeypatch.setattr(fast, "encode", late_one)
+    assert fast.unicode_rules() is None
+    assert not fast.handles("向量检索") and fast.handles("plain text")
+
+
+def test_an_unreadable_tokenizer_is_a_bug_not_a_silent_fallback() -> None:
+    """Only what is not reproduced leaves the fast path quietly; anything but a
+    tokenizers.Tokenizer is a programming error and raises."""
+    with pytest.raises(AttributeError):
+        fast_path.for_tokenizer(object(), 128)

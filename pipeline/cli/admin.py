@@ -229,16 +229,9 @@ def model_check(
 
 
 def _parity_line(parity: Any) -> str:
-    from pipeline.model.check import PARITY_MIN_COSINE
-
     if parity is None:
         return "parity       not checked: sentence-transformers is not installed"
-    verdict = "PASS" if parity.passed else "DIFFERENT"
-    return (
-        f"parity       {verdict}: cosine to {parity.reference} on {parity.texts} texts "
-        f"(fp32, CPU): min {parity.cosine_min:.6f}, mean {parity.cosine_mean:.6f} "
-        f"(pass: min >= {PARITY_MIN_COSINE})"
-    )
+    return f"parity       {parity.describe()}"
 
 
 def _echo_precisions(reports: list[Any], best: Any, gate: Any) -> None:

@@ -12,6 +12,7 @@ from pipeline.cli.options import OUTPUT_HELP, env_option, output_option
 from pipeline.core.config import (
     DEVICES,
 )
+from pipeline.core.model_info import SIMILARITIES
 
 # -- search ---------------------------------------------------------------------------
 
@@ -43,12 +44,19 @@ from pipeline.core.config import (
 def search(
     output: Path, k: int, as_json: bool, device: str, query_prompt: str | None, query: str
 ) -> None:
-    """Embed QUERY with the output's model and print its nearest records."""
-    from pipeline.search import search_output
+    """Embed QUERY with the output's model and print its nearest records.
 
-    hits = search_output(output, query, k, device, query_prompt)
+    Ranked and scored by the model's similarity as sentence-transformers computes it
+    (cosine by default; dot; euclidean and manhattan: minus the distance), named in
+    the JSON as `similarity`.
+    """
+    from pipeline.search import search as search_index
+
+    found = search_index(output, query, k, device, query_prompt)
+    hits = found.hits
     if as_json:
-        click.echo(json.dumps({"query": query, "hits": hits}, indent=2, ensure_ascii=False))
+        body = {"query": query, "similarity": found.similarity, "hits": hits}
+        click.echo(json.dumps(body, indent=2, ensure_ascii=False))
         return
     for rank, hit in enumerate(hits, 1):
         text = " ".join(hit["text"].split())
@@ -117,22 +125,32 @@ def index() -> None:
     default="flat",
     show_default=True,
     help="flat: exact search; ivf / ivf-pq: trained on a sample, faster on large "
-    "corpora (ivf-pq also 32x smaller), recall@10 against exact search reported.",
+    "corpora (ivf-pq also 32x smaller; not for manhattan), recall@10 against exact search "
+    "reported.",
 )
-def index_rebuild(output: Path, index_type: str) -> None:
+@click.option(
+    "--similarity",
+    type=click.Choice(list(SIMILARITIES)),
+    default=None,
+    help="What the index ranks by [default: the similarity the output records; outputs "
+    "from before it was recorded: its model's similarity_fn_name].",
+)
+def index_rebuild(output: Path, index_type: str, similarity: str | None) -> None:
     """Rebuild the index from the Parquet files in OUTPUT."""
     from pipeline.core.errors import IndexStateError
+    from sinks.index.metric import describe as describe_similarity
     from sinks.index.store import IndexStore
 
-    store = IndexStore(output, index_type=index_type)
+    store = IndexStore(output, index_type=index_type, similarity=_similarity(output, similarity))
     count = store.rebuild()
     meta = store.meta
     recall = (
         "" if meta is None or meta.recall_at_10 is None else f", recall@10 {meta.recall_at_10:.3f}"
     )
     shards = 0 if meta is None else len(meta.shards)
+    ranked = "" if meta is None else f", {describe_similarity(meta.similarity)}"
     click.echo(
-        f"index rebuilt: {count} vectors ({index_type}, {shards} file(s){recall}) "
+        f"index rebuilt: {count} vectors ({index_type}{ranked}, {shards} file(s){recall}) "
         f"in {output}/index, {store.last_sync.seconds:.1f}s"
     )
     if store.damaged:
@@ -143,6 +161,34 @@ def index_rebuild(output: Path, index_type: str) -> None:
             "their partitions; start a worker (pipeline run) on this output: it moves them "
             "to quarantine/, reads their records again from Kafka, and the index catches up"
         )
+
+
+def _similarity(output: Path, given: str | None) -> str | None:
+    """The similarity to rebuild for: `given`, else None where the segments record one
+    (the store reads it), else the recorded model's own (outputs from before it was
+    recorded), read from its folder's configs without loading it."""
+    from pipeline.core.errors import IndexStateError, ModelError
+    from sinks.identity import recorded_model
+
+    if given is not None:
+        return given
+    recorded = recorded_model(output) or {}
+    if recorded.get("similarity") or not recorded:
+        return None
+    from pipeline.model.spec import DEFAULT_MODEL_NAME, resolve_model_path
+    from pipeline.model.stack import folder_similarity
+
+    name = recorded.get("model", "default")
+    try:
+        return folder_similarity(
+            resolve_model_path("default" if name == DEFAULT_MODEL_NAME else name)[1]
+        )
+    except ModelError as exc:
+        raise IndexStateError(
+            f"the segments of {output} do not record their similarity (written before it was "
+            f"recorded) and their model is not at hand ({exc}); give --similarity, the "
+            "model's similarity_fn_name (cosine when it names none)"
+        ) from None
 
 
 @index.command("check")
@@ -167,11 +213,14 @@ def index_check(output: Path, recall: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=1, sort_keys=True))
     else:
+        from sinks.index.metric import describe as describe_similarity
+
         noted = "" if report.recall_at_10 is None else f", recall@10 {report.recall_at_10:.3f}"
         if report.measured_recall_at_10 is not None:
             noted += f", recall@10 measured now {report.measured_recall_at_10:.3f}"
         click.echo(
-            f"{report.index_type} index, generation {report.generation}: {report.vectors} "
+            f"{report.index_type} index by {describe_similarity(report.similarity)}, "
+            f"generation {report.generation}: {report.vectors} "
             f"vectors in {report.shards} file(s), {report.bytes / 1e6:.1f} MB{noted}\n"
             f"missing {report.missing}, extra {report.extra}, doubled {report.doubled}; "
             f"{report.uncovered_rows} Parquet row(s) not synced yet"

@@ -98,8 +98,8 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "--dimensions",
     type=int,
     default=None,
-    help="Matryoshka: store the first N values of each vector, normalised again where the "
-    "model normalises (sentence-transformers' truncate_dim) [default: the model's own, or all].",
+    help="Matryoshka: store the first N values of each vector, as sentence-transformers' "
+    "truncate_dim does (not normalised again) [default: the model's own, or all].",
 )
 @env_option("--dlq-topic", default=None, help="Dead-letter topic [default: <first topic>.dlq].")
 @_run_option("--text-field", help="JSON field of the input records holding the text.")

@@ -44,6 +44,7 @@ import numpy as np
 
 from pipeline.core.config import CACHE_LRU, CACHE_OFF, parse_cache_size, redact_url
 from pipeline.core.errors import ConfigError
+from pipeline.core.retry import Backoff, RetryGate
 
 if TYPE_CHECKING:
     from pipeline.core.config import WorkerConfig
@@ -292,10 +293,7 @@ class EmbeddingCache:
         self.metrics = metrics
         self.stats = CacheStats()
         self._clock = clock
-        self._down_until = 0.0
-        self._backoff_s = BREAKER_FIRST_S
-        self._failing_since: float | None = None
-        self._outage_errors = 0
+        self._breaker = RetryGate(Backoff(BREAKER_FIRST_S, 2.0, BREAKER_MAX_S))
         self._errors_unlogged = 0
         self._last_log = -LOG_EVERY_S
         if metrics is not None:
@@ -379,35 +377,29 @@ class EmbeddingCache:
     # -- the breaker -------------------------------------------------------------------
 
     def _remote_allowed(self) -> bool:
-        return self._clock() >= self._down_until
+        return self._breaker.ready(self._clock())
 
     def _remote_ok(self) -> None:
-        if self._failing_since is not None:
+        breaker = self._breaker
+        if breaker.failing_since is not None:
             log.info(
                 "cache: %s answers again after %.0fs (%d failed call(s) meanwhile)",
                 self.remote.url if self.remote else "redis",
-                self._clock() - self._failing_since,
-                self._outage_errors,
+                self._clock() - breaker.failing_since,
+                breaker.failures,
             )
-            self._failing_since = None
-            self._outage_errors = 0
             self._errors_unlogged = 0
             if self.metrics is not None:
                 self.metrics.cache_remote_up.set(1)
-        self._backoff_s = BREAKER_FIRST_S
+        breaker.succeeded()
 
     def _remote_failed(self, op: str, exc: CacheError, stats: CacheStats) -> None:
         now = self._clock()
         stats.remote_errors += 1
         stats.by_op[op] = stats.by_op.get(op, 0) + 1
-        self._outage_errors += 1
-        self._down_until = now + self._backoff_s
-        retry_in = self._backoff_s
-        self._backoff_s = min(BREAKER_MAX_S, self._backoff_s * 2)
-        if self._failing_since is None:
-            self._failing_since = now
-            if self.metrics is not None:
-                self.metrics.cache_remote_up.set(0)
+        if self._breaker.failing_since is None and self.metrics is not None:
+            self.metrics.cache_remote_up.set(0)
+        retry_in = self._breaker.failed(now)  # Redis is not asked again before then
         if now - self._last_log >= LOG_EVERY_S:
             more = f" ({self._errors_unlogged} more failure(s) since the last warning)"
             log.warning(

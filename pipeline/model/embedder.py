@@ -326,8 +326,13 @@ class Embedder:
         return [prompt + text for text in texts] if prompt else texts
 
     def tokenizer_json(self) -> str:
-        """The Rust tokenizer, serialised (truncation included): to tokenize elsewhere."""
+        """The Rust tokenizer, serialised (truncation included): to tokenize elsewhere,
+        with `split_special_tokens`, which the serialised form leaves out."""
         return str(self._fast.to_str())
+
+    @property
+    def split_special_tokens(self) -> bool:
+        return bool(self._fast.encode_special_tokens)
 
     def _encode_rust(self, texts: list[str]) -> tuple[list[list[int]], int]:
         """Large batches in chunks on several threads (the Rust tokenizer lets go of

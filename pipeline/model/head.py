@@ -1,5 +1,6 @@
 """What runs after the transformer: pooling, the Dense and LayerNorm modules,
-normalisation and Matryoshka truncation, as sentence-transformers computes them.
+normalisation and Matryoshka truncation, as sentence-transformers computes them
+(the truncation last, with no normalisation after it).
 
 Rows come right-padded (the pipeline pads after the text); the pooling below is
 sentence-transformers' padded-input path, op for op, so that its edge cases (a
@@ -29,9 +30,10 @@ class Head(nn.Module):
         self.modes = stack.pooling.modes
         self.include_prompt = stack.pooling.include_prompt
         self.layers = nn.ModuleList(_layer(module) for module in stack.head)
+        # Matryoshka: the first `truncate_dim` values, cut after every module and not
+        # normalised again, as SentenceTransformer(truncate_dim=N).encode() gives them
+        # (the index normalises where the model's similarity asks: sinks.index.metric).
         self.truncate_dim = truncate_dim
-        # Matryoshka vectors of a normalising model are normalised again once cut.
-        self.renormalize = truncate_dim is not None and stack.normalized
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor, prompt_length: int = 0) -> Any:
         hidden = hidden.float()
@@ -43,8 +45,6 @@ class Head(nn.Module):
             x = layer(x)
         if self.truncate_dim is not None:
             x = x[:, : self.truncate_dim]
-            if self.renormalize:
-                x = nn.functional.normalize(x, p=2, dim=-1)
         return x
 
 

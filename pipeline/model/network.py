@@ -9,7 +9,9 @@ safetensors only and code from a model folder is never run.
 The pipeline pads every row on the right. A model whose outputs for a text's real
 tokens change with the padding beside them (one that ignores the attention mask,
 or sentence-transformers' left padding with absolute positions) would make vectors
-that depend on the batch; a probe at load refuses such a model.
+that depend on the batch; a probe at load refuses such a model. So does a network
+whose hidden states are not as wide as the module stack was read for: refused at
+load, not at the first batch.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def native_applies(spec: ModelSpec) -> str | None:
 def load(spec: ModelSpec, choice: str) -> tuple[Any, str]:
     """(the network in eval mode, fp32 on the CPU; NATIVE or TRANSFORMERS).
     `choice`: "auto", "native" (or a ModelError) or "transformers"."""
+    net, used = _load(spec, choice)
+    _check_width(_width(net, used == NATIVE, spec), spec)
+    return net, used
+
+
+def _load(spec: ModelSpec, choice: str) -> tuple[Any, str]:
     if choice != TRANSFORMERS:
         why = native_applies(spec)
         if why is None:
@@ -119,13 +127,31 @@ def _load_transformers(spec: ModelSpec) -> Any:
             f"model {spec.path}: its weights lack {', '.join(missing[:3])}{more}; transformers "
             "would initialise them at random, so no two loads would give the same vectors"
         )
-    width = _hidden_width(net.config)
-    if width is not None and width != spec.stack.pooling.embedding_dimension:
-        raise ModelError(
-            f"model {spec.path}: its hidden states have {width} values, but its Pooling "
-            f"module expects {spec.stack.pooling.embedding_dimension}"
-        )
     return net.eval()
+
+
+def _width(net: Any, native: bool, spec: ModelSpec) -> int:
+    """The width of the network's hidden states: the native encoder's config (its own
+    code), one short pass of transformers' (whose config may name another width)."""
+    if native:
+        return int(net.config.hidden_size)
+    ids = spec.tokenizer.backend(spec.max_length).encode(_PROBE[0]).ids
+    with torch.inference_mode():
+        hidden = forward(net, False, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    return int(hidden.shape[-1])
+
+
+def _check_width(width: int, spec: ModelSpec) -> None:
+    """Refuses a network whose hidden states are not as wide as the stack was read for
+    (pipeline.model.stack: the hidden size its config.json names, else its Pooling's),
+    before a batch would fail on it."""
+    expected = spec.stack.pooling.embedding_dimension
+    if width != expected:
+        raise ModelError(
+            f"model {spec.path}: its transformer gives {width}-d token embeddings, but its "
+            f"module stack was read for {expected}-d ones (its config.json's hidden size, "
+            "else its Pooling config's): the pipeline does not know what it would pool"
+        )
 
 
 def _refusal(spec: ModelSpec, exc: Exception) -> str:
@@ -136,12 +162,6 @@ def _refusal(spec: ModelSpec, exc: Exception) -> str:
             f"which the pipeline never runs: {str(exc).splitlines()[0]}"
         )
     return f"cannot load model from {spec.path}: {str(exc).splitlines()[0]}"
-
-
-def _hidden_width(config: Any) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    width = getattr(text, "hidden_size", None)
-    return int(width) if isinstance(width, int) else None
 
 
 def forward(net: Any, native: bool, input_ids: Any, mask: Any, padded: bool = True) -> Any:

@@ -109,9 +109,26 @@ class ModelSpec:
     @functools.cached_property
     def identity(self) -> str:
         """A hash of everything that decides the stored vectors: the weights (the
-        transformer's and every module's), the tokenizer's files and settings, the
-        module stack, the maximum length, the document prompt and the truncation."""
-        parts = {
+        transformer's and every module's), the tokenizer's files and the tokenizer as
+        transformers builds it from them (tokenizer_fingerprint), the module stack, the
+        maximum length, the document prompt and the truncation."""
+        return _digest({**self._identity_parts(), "tokenizer_built": self.tokenizer_fingerprint})
+
+    @functools.cached_property
+    def legacy_identity(self) -> str:
+        """The identity as releases before the tokenizer fingerprint hashed it: what
+        their outputs recorded, compared where an output records no fingerprint
+        (sinks.identity)."""
+        return _digest(self._identity_parts())
+
+    @functools.cached_property
+    def tokenizer_fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.tokenizer)
+
+    def _identity_parts(self) -> dict[str, Any]:
+        # Exactly the parts legacy_identity hashed: what joins the identity later goes
+        # into `identity` beside them, or outputs of earlier releases stop matching.
+        return {
             "weights": self.revision,
             "tokenizer": self.tokenizer.files_hash,
             "transformer": [
@@ -131,8 +148,6 @@ class ModelSpec:
             "document_prompt": self.prompts.document,
             "truncate_dim": self.truncate_dim,
         }
-        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-        return "sha256:" + digest[:16]
 
     def info(self, precision: str, device: str) -> ModelInfo:
         return ModelInfo(
@@ -150,7 +165,47 @@ class ModelSpec:
             self.stack.describe(),
             self.identity,
             self.truncate_dim,
+            self.stack.similarity,
+            tokenizer=self.tokenizer_fingerprint,
+            legacy_identity=self.legacy_identity,
         )
+
+
+def tokenizer_fingerprint(resolved: tokenizers.ResolvedTokenizer) -> str:
+    """A hash of what decides the tokenizer's ids as transformers built it: the Rust
+    tokenizer's serialised form (normaliser, pre-tokenizer, model, post-processor,
+    added tokens), the padding and truncation sides, the special ids and whether
+    special tokens in a text are split. transformers builds these from the files and
+    from its own code, so an upgrade may change them under the same files."""
+    parts = {
+        "backend": _backend_hash(resolved.backend_json),
+        "pad_token_id": resolved.pad_token_id,
+        "special_ids": list(resolved.special_ids),
+        "padding_side": resolved.padding_side,
+        "truncation_side": resolved.truncation_side,
+        "split_special_tokens": resolved.split_special_tokens,
+    }
+    return _digest(parts)
+
+
+def _backend_hash(backend_json: str) -> str:
+    """The serialised Rust tokenizer's hash, canonical (keys sorted, the decoder left
+    out: it makes no id), remembered by the text's own hash: parsing a vocabulary of
+    250,000 entries costs a second, hashing its text milliseconds."""
+    key = "tokenizer:" + hashlib.sha256(backend_json.encode()).hexdigest()[:32]
+    known = _remembered_hashes()
+    if key in known:
+        return known[key]
+    serialised = json.loads(backend_json)
+    serialised.pop("decoder", None)
+    canonical = json.dumps(serialised, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    digest = "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    _remember_hash(key, digest)
+    return digest
+
+
+def _digest(parts: dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def resolve_model_path(model: str) -> tuple[str, Path]:

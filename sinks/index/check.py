@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline.core.errors import IndexStateError
 from pipeline.core.layout import iter_segments, segments_by_partition
+from sinks.index import metric as metrics
 from sinks.index.shards import table_vectors
 from sinks.index.store import IndexMeta, IndexStore, encode_id
 from sinks.index.trained import RECALL_QUERIES, ExactTopK, training_sample
@@ -35,6 +36,8 @@ class IndexReport:
     doubled: int  # ids present more than once
     uncovered_rows: int  # Parquet rows past the coverage: a worker's next sync adds them
     measured_recall_at_10: float | None = None  # measured now, with --recall
+    # What it searches by (sinks.index.metric); None: built before it was recorded.
+    similarity: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -66,27 +69,30 @@ def check_index(output: Path, recall: bool = False) -> IndexReport:
         doubled=int((counts > 1).sum()),
         uncovered_rows=uncovered,
         measured_recall_at_10=measure_recall(output, store, meta) if recall else None,
+        similarity=meta.similarity,
     )
 
 
 def measure_recall(
     output: Path, store: IndexStore, meta: IndexMeta, queries: int = RECALL_QUERIES
 ) -> float:
-    """Recall@10 of the loaded index against exact search, streaming the Parquet files."""
+    """Recall@10 of the loaded index against exact search by its similarity, streaming
+    the Parquet files."""
     segments = list(iter_segments(output))
     sample, _ = training_sample(segments)
     if not len(sample):
         raise IndexStateError(f"no vectors under {output}/vectors to measure recall on")
     rng = np.random.default_rng(1)
     picked = sample[rng.choice(len(sample), min(queries, len(sample)), replace=False)]
-    exact = ExactTopK(picked)
+    exact = ExactTopK(metrics.prepare(picked, meta.similarity), meta.metric)
     for segment in segments:
         table = read_table(segment, ["offset", "embedding"])
         topic_no = meta.topics.get(segment.key.topic)
         if topic_no is None or not table.num_rows:
             continue
         offsets = table.column("offset").to_numpy().astype(np.int64)
-        exact.add(table_vectors(table), encode_id(topic_no, segment.key.partition, 0) | offsets)
+        vectors = metrics.prepare(table_vectors(table), meta.similarity)
+        exact.add(vectors, encode_id(topic_no, segment.key.partition, 0) | offsets)
     store.load()
     found = store.search(picked, 10)
     ids = [{encode_id(meta.topics[h.topic], h.partition, h.offset) for h in hits} for hits in found]

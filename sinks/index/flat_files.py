@@ -12,6 +12,8 @@ indexes (the header's count fields and where the vectors and ids start), then an
 index assembled that way must equal faiss's bytes exactly. If this faiss writes
 anything else, `flat_layout` is None and merges go through faiss as before
 (`PIPELINE_FLAT_FILES=faiss` does the same, for measuring one against the other).
+Each FAISS metric (sinks.index.metric: inner product, L2, L1) has a header of its
+own, so every function here takes the metric with the dimension.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from sinks.index.metric import METRIC_INNER_PRODUCT, METRIC_L2
+
 _COUNT = struct.Struct("<q")
 _CHUNK_BYTES = 1 << 20
 # A count whose bytes differ from one another, to find the count fields in a header.
@@ -38,21 +42,28 @@ def vector_bytes(dim: int) -> int:
 
 
 @lru_cache(maxsize=8)
-def _flat_header_bytes(dim: int) -> int:
+def _flat_header_bytes(dim: int, metric: int) -> int:
     import faiss
 
-    return len(faiss.serialize_index(faiss_flat(dim)))
+    return len(faiss.serialize_index(faiss_flat(dim, metric)))
 
 
-def flat_file_bytes(dim: int, count: int) -> int:
+def flat_file_bytes(dim: int, count: int, metric: int = METRIC_INNER_PRODUCT) -> int:
     """The exact size of a flat shard file of `count` vectors: checked without reading it."""
-    return _flat_header_bytes(dim) + count * vector_bytes(dim)
+    return _flat_header_bytes(dim, metric) + count * vector_bytes(dim)
 
 
-def faiss_flat(dim: int) -> Any:
+def faiss_flat(dim: int, metric: int = METRIC_INNER_PRODUCT) -> Any:
+    """An empty flat shard: exact search by `metric` (a FAISS MetricType), with ids."""
     import faiss
 
-    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+    if metric == METRIC_INNER_PRODUCT:
+        flat = faiss.IndexFlatIP(dim)
+    elif metric == METRIC_L2:
+        flat = faiss.IndexFlatL2(dim)
+    else:
+        flat = faiss.IndexFlat(dim, metric)
+    return faiss.IndexIDMap2(flat)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,7 @@ class FlatLayout:
     """Where faiss puts the parts of a flat shard file of `dim`-d vectors."""
 
     dim: int
+    metric: int
     head: bytes  # the file's start for no vectors, up to the vectors' size field
     count_at: tuple[int, ...]  # offsets of the header's vector-count fields in `head`
     vector_units: int  # the vectors' size field counts this many per vector
@@ -88,13 +100,13 @@ class FlatLayout:
 
 
 @lru_cache(maxsize=8)
-def flat_layout(dim: int) -> FlatLayout | None:
+def flat_layout(dim: int, metric: int = METRIC_INNER_PRODUCT) -> FlatLayout | None:
     """The layout of this faiss's flat shard files, or None where it is not the
     header-vectors-ids layout this module streams."""
     if os.environ.get("PIPELINE_FLAT_FILES") == "faiss":
         return None
-    empty = _serialized(dim, 0)
-    probe = _serialized(dim, _PROBE)
+    empty = _serialized(dim, metric, 0)
+    probe = _serialized(dim, metric, _PROBE)
     if len(empty) < 16 or empty[-16:] != bytes(16):
         return None
     head = empty[:-16]
@@ -107,11 +119,11 @@ def flat_layout(dim: int) -> FlatLayout | None:
     size_field = int.from_bytes(probe[len(head) : len(head) + 8], "little")
     if not count_at or size_field % _PROBE:
         return None
-    layout = FlatLayout(dim, head, count_at, size_field // _PROBE)
+    layout = FlatLayout(dim, metric, head, count_at, size_field // _PROBE)
     rng = np.random.default_rng(dim)
     vectors = rng.standard_normal((3, dim)).astype(np.float32)
     ids = np.array([5, 1 << 40, 17], dtype=np.int64)
-    if layout.assemble(vectors, ids) != _serialized(dim, 3, vectors, ids):
+    if layout.assemble(vectors, ids) != _serialized(dim, metric, 3, vectors, ids):
         return None
     if layout.header(_PROBE) != probe[: len(head) + 8]:
         return None
@@ -119,11 +131,15 @@ def flat_layout(dim: int) -> FlatLayout | None:
 
 
 def _serialized(
-    dim: int, count: int, vectors: np.ndarray | None = None, ids: np.ndarray | None = None
+    dim: int,
+    metric: int,
+    count: int,
+    vectors: np.ndarray | None = None,
+    ids: np.ndarray | None = None,
 ) -> bytes:
     import faiss
 
-    index = faiss_flat(dim)
+    index = faiss_flat(dim, metric)
     if count:
         if vectors is None or ids is None:
             vectors = np.zeros((count, dim), dtype=np.float32)
@@ -132,12 +148,14 @@ def _serialized(
     return bytes(faiss.serialize_index(index))
 
 
-def merge_flat_files(sources: list[tuple[Path, int]], target: Path, dim: int) -> int | None:
+def merge_flat_files(
+    sources: list[tuple[Path, int]], target: Path, dim: int, metric: int = METRIC_INNER_PRODUCT
+) -> int | None:
     """Writes and fsyncs `target`, the flat shard of every source's vectors in order
     (each source: its path and vector count); returns its size. None, with nothing
     written, where the layout is unknown or a source does not have it: the caller
     merges through faiss, which also names what is wrong with such a file."""
-    layout = flat_layout(dim)
+    layout = flat_layout(dim, metric)
     if layout is None or not all(_has_layout(layout, p, n) for p, n in sources):
         return None
     total = sum(n for _, n in sources)
@@ -149,15 +167,17 @@ def merge_flat_files(sources: list[tuple[Path, int]], target: Path, dim: int) ->
         out.write(_COUNT.pack(total))
         for path, count in sources:
             _copy(path, start + layout.vectors_bytes(count) + 8, count * 8, out)
-    return flat_file_bytes(dim, total)
+    return flat_file_bytes(dim, total, metric)
 
 
-def write_flat_file(target: Path, parts: list[tuple[np.ndarray, np.ndarray]]) -> int | None:
+def write_flat_file(
+    target: Path, parts: list[tuple[np.ndarray, np.ndarray]], metric: int = METRIC_INNER_PRODUCT
+) -> int | None:
     """Writes and fsyncs `target`, the flat shard of these (vectors, ids) parts in
     order, without gathering them into one index; returns its size, or None (nothing
     written) where the layout is unknown."""
     dim = parts[0][0].shape[1]
-    layout = flat_layout(dim)
+    layout = flat_layout(dim, metric)
     if layout is None:
         return None
     total = sum(len(ids) for _, ids in parts)
@@ -168,7 +188,7 @@ def write_flat_file(target: Path, parts: list[tuple[np.ndarray, np.ndarray]]) ->
         out.write(_COUNT.pack(total))
         for _, ids in parts:
             out.write(np.ascontiguousarray(ids, dtype="<i8").data)
-    return flat_file_bytes(dim, total)
+    return flat_file_bytes(dim, total, metric)
 
 
 @contextlib.contextmanager
@@ -198,7 +218,8 @@ def _has_layout(layout: FlatLayout, path: Path, count: int) -> bool:
             fh.seek(len(layout.head) + 8 + layout.vectors_bytes(count))
             if fh.read(8) != _COUNT.pack(count):
                 return False
-            return os.fstat(fh.fileno()).st_size == flat_file_bytes(layout.dim, count)
+            size = os.fstat(fh.fileno()).st_size
+            return size == flat_file_bytes(layout.dim, count, layout.metric)
     except OSError:
         return False
 

@@ -17,6 +17,9 @@ a reader loads the index.
 index.json is the commit point: files are written and fsynced first, then
 index.json is replaced by a rename. A crash leaves the previous list intact, and
 the next save removes the files no list names.
+
+Every shard of an index compares vectors by one FAISS metric, the one its
+similarity asks for (sinks.index.metric), recorded in index.json as `similarity`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pipeline.core.errors import IndexStateError
+from sinks.index import metric as metrics
 from sinks.index.flat_files import (
     faiss_flat,
     flat_file_bytes,
@@ -71,6 +75,14 @@ class IndexMeta:
     model: dict[str, str] = field(default_factory=dict)
     shards: list[Shard] = field(default_factory=list)
     recall_at_10: float | None = None  # of a trained index against exact search
+    # The similarity it searches by (sinks.index.metric); None: built before it was
+    # recorded, an inner product over the stored vectors.
+    similarity: str | None = None
+
+    @property
+    def metric(self) -> int:
+        """The FAISS metric of every shard."""
+        return metrics.faiss_metric(self.similarity)
 
     @property
     def count(self) -> int:
@@ -105,6 +117,7 @@ class IndexMeta:
         else:
             shards = []
         recall = data.get("recall_at_10")
+        similarity = metrics.checked(data.get("similarity"))
         return cls(
             dim=int(data["dim"]),
             index_type=index_type,
@@ -115,6 +128,7 @@ class IndexMeta:
             model=dict(data.get("model", {})),
             shards=shards,
             recall_at_10=None if recall is None else float(recall),
+            similarity=similarity,
         )
 
 
@@ -134,10 +148,11 @@ def cap_vectors(dim: int, cap_bytes: int = SHARD_CAP_BYTES) -> int:
 
 
 def preload(dim: int) -> None:
-    """Imports faiss and reads its shard layout now, at start-up: left to the first
+    """Imports faiss and reads its shard layouts now, at start-up: left to the first
     index sync, half a minute into a run, it added to a running worker's memory."""
-    flat_file_bytes(dim, 0)
-    flat_layout(dim)
+    for metric in metrics.METRIC_NAMES:
+        flat_file_bytes(dim, 0, metric)
+        flat_layout(dim, metric)
 
 
 def write_index_file(index: Any, path: Path) -> int:
@@ -150,7 +165,9 @@ def write_index_file(index: Any, path: Path) -> int:
         return os.fstat(fh.fileno()).st_size
 
 
-def read_index_file(path: Path, expected: int) -> Any:
+def read_index_file(path: Path, expected: int, metric: int | None = None) -> Any:
+    """The index in `path`, checked to hold `expected` vectors (and to compare them
+    by `metric`, where given)."""
     import faiss
 
     try:
@@ -160,6 +177,12 @@ def read_index_file(path: Path, expected: int) -> Any:
     if int(index.ntotal) != expected:
         raise IndexStateError(
             f"the index file {path} holds {index.ntotal} vectors but index.json says {expected}"
+        )
+    if metric is not None and int(index.metric_type) != metric:
+        found = metrics.METRIC_NAMES.get(int(index.metric_type), str(index.metric_type))
+        raise IndexStateError(
+            f"the index file {path} compares by {found} but index.json's similarity asks for "
+            f"{metrics.METRIC_NAMES[metric]}"
         )
     return index
 
@@ -269,6 +292,7 @@ class FlatShardWriter:
     names: FileNames
     cap: int | None
     stats: SyncStats
+    metric: int = metrics.METRIC_INNER_PRODUCT  # the index's (IndexMeta.metric)
     _vectors: list[np.ndarray] = field(default_factory=list)
     _ids: list[np.ndarray] = field(default_factory=list)
     _buffered: int = 0
@@ -300,10 +324,10 @@ class FlatShardWriter:
     def _write(self, path: Path) -> int:
         """Writes the buffered parts as they are: one gathered copy and a faiss index
         of them would double a shard's memory."""
-        size = write_flat_file(path, list(zip(self._vectors, self._ids, strict=True)))
+        size = write_flat_file(path, list(zip(self._vectors, self._ids, strict=True)), self.metric)
         if size is not None:
             return size
-        index = faiss_flat(self._vectors[0].shape[1])
+        index = faiss_flat(self._vectors[0].shape[1], self.metric)
         index.add_with_ids(np.concatenate(self._vectors), np.concatenate(self._ids))
         return write_checked(index, path)
 

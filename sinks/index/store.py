@@ -22,13 +22,17 @@ workers on one output directory take turns and a reader never meets a shard
 that a merge is removing. On an object store writers race instead, and the
 loser of a commit syncs again from the winner's list (see sinks.index.files).
 
-Index types: `flat` is exact inner product (IndexFlatIP) over L2-normalised
-vectors, which is cosine similarity: no training, exact, search cost linear in
-the corpus (~10 ms per query per million 384-d vectors on a GPU, ~100x that on a
-CPU core). `ivf` (IVF-Flat) and `ivf-pq` (IVF with product quantisation, 32x
-smaller) are trained on a sample at `pipeline index rebuild`, which reports their
-recall@10 against exact search; vectors that workers add later go to flat
-shards that readers add to the trained index.
+The index searches by the model's similarity (sinks.index.metric: cosine as an
+inner product over L2-normalised copies of the vectors, dot, euclidean, manhattan),
+taken from the segments' `embedding.similarity` when the index is made and kept in
+`index.json`; search gives scores as SentenceTransformer.similarity does.
+
+Index types: `flat` is exact search (IndexFlat): no training, exact, search cost
+linear in the corpus (~10 ms per query per million 384-d vectors on a GPU, ~100x
+that on a CPU core). `ivf` (IVF-Flat) and `ivf-pq` (IVF with product
+quantisation, 32x smaller) are trained on a sample at `pipeline index rebuild`,
+which reports their recall@10 against exact search; vectors that workers add later
+go to flat shards that readers add to the trained index.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ from pipeline.core.layout import (
     iter_segments,
     segments_by_partition,
 )
+from pipeline.core.retry import retry
+from sinks.index import metric as metrics
 from sinks.index.files import index_files
 from sinks.index.flat_files import faiss_flat, flat_file_bytes, merge_flat_files
 from sinks.index.shards import (
@@ -88,6 +94,12 @@ _OFFSET_MASK = (1 << _PARTITION_SHIFT) - 1
 # Commits a sync may lose in a row to other writers before it gives up (object stores);
 # the backoff grows, so a loaded machine with several writers still gets through.
 _COMMIT_ATTEMPTS = 20
+
+
+def _commit_pause(tries: int) -> float:  # random: writers that lost together part
+    return random.uniform(0.05, 0.5) * min(tries, 10)
+
+
 T = TypeVar("T")
 
 
@@ -128,7 +140,11 @@ class IndexStore:
         use_gpu: bool = False,
         index_type: str = FLAT,
         shard_cap: int | None = None,
+        similarity: str | None = None,
     ) -> None:
+        """`similarity`: what an index made here (a rebuild, or the first sync) searches
+        by; None: the one the segments record (sinks.index.metric: none recorded, an
+        inner product over the stored vectors, as before it was recorded)."""
         if index_type not in INDEX_TYPES:
             raise IndexStateError(f"unknown index type {index_type!r}; one of {INDEX_TYPES}")
         self.output = output
@@ -145,6 +161,9 @@ class IndexStore:
         self.last_sync = SyncStats()
         self._warned: set[str] = set()
         self._carried_topics: dict[str, int] = {}  # a rebuild keeps every id
+        self.similarity = metrics.checked(similarity, "--similarity")
+        self._new_similarity: str | None = None  # what a new index searches by, once known
+        self._new_resolved = False
 
     @property
     def meta(self) -> IndexMeta | None:
@@ -158,12 +177,14 @@ class IndexStore:
 
     def _sync_once(self, stats: SyncStats) -> None:
         self.damaged = []
+        self._new_resolved = False  # an output without vectors yet records nothing
         with self.files.locked():
             self._meta = self._read_meta()
             generation = self._meta.generation if self._meta else 0
             covered = dict(self._meta.covered) if self._meta else {}
             names = FileNames(generation + 1, self._tag)
-            writer = FlatShardWriter(self.directory, names, self.shard_cap, stats)
+            metric = self._meta.metric if self._meta else self._metric_for_new()
+            writer = FlatShardWriter(self.directory, names, self.shard_cap, stats, metric)
             stats.added = self._add_new_segments(writer, FLAT)
             new = writer.finish()
             if self._meta is not None and (new or self._meta.covered != covered):
@@ -174,19 +195,23 @@ class IndexStore:
     def _until_committed(self, attempt: Callable[[SyncStats], None]) -> int:
         """Runs a sync or rebuild until its commit wins (at once, where writers take turns)."""
         started = time.perf_counter()
-        for tries in range(1, _COMMIT_ATTEMPTS + 1):
+
+        def once() -> SyncStats:
             stats = SyncStats()
             try:
                 attempt(stats)
-                break
             except _LostCommit:
-                self._meta = None
-                if tries == _COMMIT_ATTEMPTS:
-                    raise OutputError(
-                        f"the index at {self.files.where} changed under {tries} commits in a "
-                        "row; too many writers syncing at once: try again"
-                    ) from None
-                time.sleep(random.uniform(0.05, 0.5) * min(tries, 10))
+                self._meta = None  # read again by the next try
+                raise
+            return stats
+
+        try:
+            stats = retry(once, on=_LostCommit, attempts=_COMMIT_ATTEMPTS, pause=_commit_pause)
+        except _LostCommit:
+            raise OutputError(
+                f"the index at {self.files.where} changed under {_COMMIT_ATTEMPTS} commits in a "
+                "row; too many writers syncing at once: try again"
+            ) from None
         stats.seconds = time.perf_counter() - started
         self.last_sync = stats
         return stats.added
@@ -209,13 +234,19 @@ class IndexStore:
             self._carried_topics = dict(previous.topics) if previous else {}
             names = FileNames((previous.generation if previous else 0) + 1, self._tag)
             self._index, self._meta, self.damaged = None, None, []
+            self._new_resolved = False
+            similarity = self._similarity_for_new()
+            metrics.check_index_type(self.index_type, similarity)
             shared = (self.directory, names, stats)
             # A flat rebuild writes one file, as readers load one file fastest:
             # like them, it holds the whole index in memory (a worker never does).
+            cap, metric = self.shard_cap or sys.maxsize, metrics.faiss_metric(similarity)
             sink: VectorSink = (
-                FlatShardWriter(self.directory, names, self.shard_cap or sys.maxsize, stats)
+                FlatShardWriter(self.directory, names, cap, stats, metric)
                 if self.index_type == FLAT
-                else trained_builder(self.index_type, list(iter_segments(self.output)), *shared)
+                else trained_builder(
+                    self.index_type, list(iter_segments(self.output)), *shared, similarity
+                )
             )
             stats.added = self._add_new_segments(sink, self.index_type)
             if self._meta is None:
@@ -272,6 +303,7 @@ class IndexStore:
         offsets = table.column("offset").to_numpy().astype(np.int64)
         fresh = offsets > through
         vectors = table_vectors(table)[fresh] if len(offsets) else table_vectors(table)
+        vectors = metrics.prepare(vectors, meta.similarity)
         if len(vectors):
             base = encode_id(meta.topic_no(segment.key.topic), segment.key.partition, 0)
             sink.add(vectors, base | offsets[fresh])
@@ -298,6 +330,7 @@ class IndexStore:
                 index_type=index_type,
                 topics=dict(self._carried_topics),
                 model=_model_meta(schema.metadata),
+                similarity=self._similarity_for_new(),
             )
         elif dim is not None and dim != self._meta.dim:
             raise IndexStateError(
@@ -306,16 +339,32 @@ class IndexStore:
             )
         return self._meta
 
+    def _similarity_for_new(self) -> str | None:
+        """What a new index searches by: the store's `similarity`, else the one the
+        output's segments record (its newest footers), else None (none recorded)."""
+        if not self._new_resolved:
+            from sinks.identity import recorded_model
+
+            found = self.similarity
+            if found is None:
+                recorded = (recorded_model(self.output) or {}).get("similarity") or None
+                found = metrics.checked(recorded, f"{describe(self.output)}: embedding.similarity")
+            self._new_similarity, self._new_resolved = found, True
+        return self._new_similarity
+
+    def _metric_for_new(self) -> int:
+        return metrics.faiss_metric(self._similarity_for_new())
+
     def _merge_small(self, meta: IndexMeta, names: FileNames, stats: SyncStats) -> None:
         """Merges tiers of small flat shards (see sinks.index.shards); bounded by the cap."""
         cap = self._merge_cap(meta.dim)
         while group := next_merge(meta.shards, cap):
             name = names.next()
-            size = self._merge_streaming(group, self.directory / name, meta.dim)
+            size = self._merge_streaming(group, self.directory / name, meta)
             if size is None:
-                merged = faiss_flat(meta.dim)
+                merged = faiss_flat(meta.dim, meta.metric)
                 for shard in group:
-                    vectors, ids = contents(self._read_shard(shard))
+                    vectors, ids = contents(self._read_shard(shard, meta))
                     merged.add_with_ids(vectors, ids)
                 size = write_checked(merged, self.directory / name)
             stats.bytes_written += size
@@ -323,12 +372,12 @@ class IndexStore:
             meta.shards = [s for s in meta.shards if s not in group]
             meta.shards.append(Shard(name, sum(s.count for s in group)))
 
-    def _merge_streaming(self, group: list[Shard], target: Path, dim: int) -> int | None:
+    def _merge_streaming(self, group: list[Shard], target: Path, meta: IndexMeta) -> int | None:
         """The merged shard written from the files' bytes (sinks.index.flat_files), or None
         where they must go through faiss."""
         sources = [(self.files.fetch(s.file), s.count) for s in group]
         try:
-            return merge_flat_files(sources, target, dim)
+            return merge_flat_files(sources, target, meta.dim, meta.metric)
         finally:
             for shard in group:
                 self.files.release(shard.file)
@@ -364,11 +413,12 @@ class IndexStore:
             size = sizes.get(shard.file)
             if size is None:
                 raise IndexStateError(f"the index file {where} is missing; {rebuild}")
-            if shard.kind == FLAT and size != flat_file_bytes(meta.dim, shard.count):
+            expected = flat_file_bytes(meta.dim, shard.count, meta.metric)
+            if shard.kind == FLAT and size != expected:
                 raise IndexStateError(
-                    f"the index file {where} is {size} bytes, not the "
-                    f"{flat_file_bytes(meta.dim, shard.count)} of the {shard.count} vectors "
-                    f"its metadata says it holds: damaged or replaced; {rebuild}"
+                    f"the index file {where} is {size} bytes, not the {expected} of the "
+                    f"{shard.count} vectors its metadata says it holds: damaged or replaced; "
+                    f"{rebuild}"
                 )
         return meta
 
@@ -383,8 +433,13 @@ class IndexStore:
         stats.bytes_written += len(text)
         self.files.remove_unlisted({s.file for s in meta.shards})
 
-    def _read_shard(self, shard: Shard) -> Any:
-        index = read_index_file(self.files.fetch(shard.file), shard.count)
+    def _read_shard(self, shard: Shard, meta: IndexMeta) -> Any:
+        try:
+            index = read_index_file(self.files.fetch(shard.file), shard.count, meta.metric)
+        except IndexStateError as exc:
+            raise IndexStateError(
+                f"{exc}; run: pipeline index rebuild --output {describe(self.output)}"
+            ) from None
         self.files.release(shard.file)
         return index
 
@@ -421,10 +476,10 @@ class IndexStore:
     def _assemble(self, meta: IndexMeta) -> Any:
         """The first file (the trained one, if any) with every other shard added at once."""
         if not meta.shards:
-            return faiss_flat(meta.dim)
+            return faiss_flat(meta.dim, meta.metric)
         first, *rest = meta.shards
-        index = self._read_shard(first)
-        parts = [contents(self._read_shard(s)) for s in rest]
+        index = self._read_shard(first, meta)
+        parts = [contents(self._read_shard(s, meta)) for s in rest]
         if parts:
             vectors = np.concatenate([v for v, _ in parts])
             ids = np.concatenate([i for _, i in parts])
@@ -445,7 +500,7 @@ class IndexStore:
         if meta is None:
             return None, np.empty(0, dtype=np.int64), 0
         sizes = self.files.sizes()
-        parts = [ids_of(self._read_shard(s)) for s in meta.shards]
+        parts = [ids_of(self._read_shard(s, meta)) for s in meta.shards]
         size = sum(sizes.get(s.file, 0) for s in meta.shards)
         ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return meta, ids, size
@@ -456,12 +511,20 @@ class IndexStore:
             return int(self._index.ntotal)
         return self._meta.shard_total if self._meta else 0
 
-    def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
+    def search(self, queries: np.ndarray, k: int, legacy_as: str | None = None) -> list[list[Hit]]:
+        """The k nearest of each query (the model's vectors, as stored), by the index's
+        similarity, scored as SentenceTransformer.similarity scores. `legacy_as`: the
+        similarity an index from before it was recorded answers (metrics.legacy_answers;
+        None: its raw inner products)."""
         if self._index is None:
             self.load()
         assert self._meta is not None
+        similarity = self._meta.similarity
+        if similarity is metrics.LEGACY:
+            similarity = legacy_as
         index = self._search_index()
-        scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+        found, ids = index.search(metrics.prepare(queries, similarity), k)
+        scores = metrics.scores(found, similarity)
         topics = {no: name for name, no in self._meta.topics.items()}
         results: list[list[Hit]] = []
         for row_scores, row_ids in zip(scores, ids, strict=True):
@@ -478,7 +541,10 @@ class IndexStore:
         import faiss
 
         if self.use_gpu and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
-            return faiss.index_cpu_to_all_gpus(self._index)
+            try:
+                return faiss.index_cpu_to_all_gpus(self._index)
+            except RuntimeError as exc:  # a metric this faiss has no GPU kernel for (L1 IVF)
+                log.info("index: searching on the CPU (%s)", str(exc).splitlines()[0])
         return self._index
 
 

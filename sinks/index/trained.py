@@ -7,6 +7,10 @@ sub-vector codes of one byte, 32x smaller than float32. Both trade recall for
 speed, so the rebuild measures recall@10 against exact search on a sample of
 queries, computed alongside as the vectors stream by (the exact neighbours of
 the queries are kept, never the corpus), and records it in index.json.
+
+Both compare by the metric of the model's similarity (sinks.index.metric): the
+coarse quantizer and the lists alike; IVF-PQ has no L1, so a manhattan model
+gets flat or IVF only.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import pyarrow as pa
 
 from pipeline.core.errors import IndexStateError
 from pipeline.core.layout import SegmentFile
+from sinks.index import metric as metrics
 from sinks.index.shards import IVF_PQ, FileNames, Shard, SyncStats, table_vectors, write_checked
 from sinks.segments import DamagedSegment, read_info, read_table
 
@@ -31,18 +36,26 @@ _MIN_TRAIN = {"ivf": 64, IVF_PQ: 256}
 
 @dataclass
 class ExactTopK:
-    """The exact top-10 of some queries over vectors streamed by, never held."""
+    """The exact top-10 of some queries over vectors streamed by, never held; both as
+    the index holds them (sinks.index.metric.prepare), compared by `metric`."""
 
     queries: np.ndarray
+    metric: int = metrics.METRIC_INNER_PRODUCT
     _best: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
-        scores = self.queries @ np.ascontiguousarray(vectors, dtype=np.float32).T
-        if not scores.shape[1]:
+        import faiss
+
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if not len(vectors):
             return
-        k = min(10, scores.shape[1])
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        self._best.append((np.take_along_axis(scores, top, 1), ids[top]))
+        k = min(10, len(vectors))
+        exact = faiss.IndexFlat(vectors.shape[1], self.metric)
+        exact.add(vectors)
+        found, top = exact.search(np.ascontiguousarray(self.queries, dtype=np.float32), k)
+        # Higher is nearer, whatever the metric: distances count down.
+        scores = found if self.metric == metrics.METRIC_INNER_PRODUCT else -found
+        self._best.append((scores, ids[top]))
         if len(self._best) > 64:
             self._best = [self._merged()]
 
@@ -91,12 +104,21 @@ class TrainedBuilder:
 
 
 def trained_builder(
-    kind: str, segments: list[SegmentFile], directory: Path, names: FileNames, stats: SyncStats
+    kind: str,
+    segments: list[SegmentFile],
+    directory: Path,
+    names: FileNames,
+    stats: SyncStats,
+    similarity: str | None = None,
 ) -> TrainedBuilder:
-    """An untrained-no-more index of `kind`, trained on a sample of the segments."""
+    """An untrained-no-more index of `kind`, trained on a sample of the segments, that
+    searches by `similarity` (vectors given to it prepared for it: metrics.prepare)."""
     import faiss
 
+    metrics.check_index_type(kind, similarity)
+    metric = metrics.faiss_metric(similarity)
     sample, total = training_sample(segments)
+    sample = metrics.prepare(sample, similarity)
     if len(sample) < _MIN_TRAIN[kind]:
         raise IndexStateError(
             f"an {kind} index needs at least {_MIN_TRAIN[kind]} vectors to train on "
@@ -105,18 +127,17 @@ def trained_builder(
     dim = sample.shape[1]
     # ~4 sqrt(N) lists, with at least 39 training vectors each (FAISS's minimum).
     nlist = max(1, min(int(math.sqrt(total) * 4), len(sample) // 39))
-    quantizer = faiss.IndexFlatIP(dim)
+    quantizer = faiss.IndexFlat(dim, metric)
     if kind == IVF_PQ:
-        ivf: Any = faiss.IndexIVFPQ(
-            quantizer, dim, nlist, pq_subquantizers(dim), 8, faiss.METRIC_INNER_PRODUCT
-        )
+        ivf: Any = faiss.IndexIVFPQ(quantizer, dim, nlist, pq_subquantizers(dim), 8, metric)
     else:
-        ivf = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        ivf = faiss.IndexIVFFlat(quantizer, dim, nlist, metric)
     ivf.train(sample)
     ivf.nprobe = max(1, nlist // 16)
     rng = np.random.default_rng(0)
     queries = sample[rng.choice(len(sample), min(RECALL_QUERIES, len(sample)), replace=False)]
-    return TrainedBuilder(faiss.IndexIDMap2(ivf), kind, ExactTopK(queries), directory, names, stats)
+    exact = ExactTopK(queries, metric)
+    return TrainedBuilder(faiss.IndexIDMap2(ivf), kind, exact, directory, names, stats)
 
 
 def training_sample(segments: list[SegmentFile]) -> tuple[np.ndarray, int]:

@@ -165,13 +165,11 @@ class CharacterCheck:
 def character_check(
     spec: dict[str, Any], rust_tokenizer: Any
 ) -> tuple[UnicodeRules, CharacterCheck] | None:
-    try:
-        normalize = rust_tokenizer.normalizer.normalize_str
-        pre_tokenize = rust_tokenizer.pre_tokenizer.pre_tokenize_str
-    except AttributeError:
+    normalizer, pre_tokenizer = rust_tokenizer.normalizer, rust_tokenizer.pre_tokenizer
+    if normalizer is None or pre_tokenizer is None:
         return None
     rules = unicode_rules(spec)
-    return rules, CharacterCheck(rules, normalize, pre_tokenize)
+    return rules, CharacterCheck(rules, normalizer.normalize_str, pre_tokenizer.pre_tokenize_str)
 
 
 def unicode_rules(spec: dict[str, Any]) -> UnicodeRules:
