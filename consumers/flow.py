@@ -155,6 +155,7 @@ class TieredFlowControl(FlowControl):
         unpark_resumed(consumer)
         self.batcher.backfill.max_records = records
         self.poll_records = records if backfill - wanted else None
+        metrics.tier_of = tiers.tier_of  # labels the partition lag series
         metrics.nearline_lag.set(lag)
         metrics.backfill_waiting.set(int(waiting))
         metrics.backfill_pauses.inc(tiers.pauses - pauses_before)

@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 
 from consumers.batcher import Batcher, CloseReason, MicroBatch, TopicPartitionKey
@@ -69,6 +70,9 @@ _METADATA_PREFIX = "tier="
 PAUSE_AT = 1
 # ... and resumes once the lag has stayed at zero this long.
 RESUME_AFTER_S = 1.0
+# A wait is logged at INFO once it has lasted this long, and then its end too; shorter
+# ones (a nearline trickle makes one per record) at DEBUG, counted in the next INFO line.
+LASTING_WAIT_S = 10.0
 # Backfill batch size before the embed rate is known, and its floor after.
 INITIAL_BACKFILL_RECORDS = 64
 MIN_BACKFILL_RECORDS = 16
@@ -124,6 +128,7 @@ class Tiers:
         *,
         pause_at: int = PAUSE_AT,
         resume_after_s: float = RESUME_AFTER_S,
+        lasting_wait_s: float = LASTING_WAIT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backfill_topics = frozenset(backfill_topics)
@@ -137,6 +142,9 @@ class Tiers:
         self.pauses = 0  # how many times it started waiting
         self._waiting_since = 0.0
         self._lag_zero_since: float | None = None
+        self.lasting_wait_s = lasting_wait_s
+        self._wait_logged = False  # the current wait has had its INFO line
+        self._short_waits = 0  # waits logged at DEBUG only, since the last INFO line
 
     # -- tiers of partitions ----------------------------------------------------------
 
@@ -180,19 +188,43 @@ class Tiers:
                 self.waiting = True
                 self.pauses += 1
                 self._waiting_since = now
-                log.info("backfill waits: nearline lag %d", nearline_lag)
-            return True
-        if nearline_lag > 0:
+                self._wait_logged = False
+                log.debug("backfill waits: nearline lag %d", nearline_lag)
+        elif nearline_lag > 0:
             self._lag_zero_since = None  # below the threshold, not yet caught up
-            return self.waiting
-        if self._lag_zero_since is None:
+        elif self._lag_zero_since is None:
             self._lag_zero_since = now
-        if self.waiting and now - self._lag_zero_since >= self.resume_after_s:
-            self.waiting = False
-            log.info(
-                "backfill resumes: nearline caught up (it waited %.1fs)", now - self._waiting_since
-            )
-        return self.waiting
+        if not self.waiting:
+            return False
+        if self._lag_zero_since is not None and now - self._lag_zero_since >= self.resume_after_s:
+            self._resume(now)
+            return False
+        if not self._wait_logged and now - self._waiting_since >= self.lasting_wait_s:
+            self._log_lasting_wait(now, nearline_lag)
+        return True
+
+    def _log_lasting_wait(self, now: float, nearline_lag: int) -> None:
+        """The INFO line of a wait that lasts, counting the short ones before it."""
+        self._wait_logged = True
+        shorter = self._short_waits
+        self._short_waits = 0
+        log.info(
+            "backfill waits: nearline lag %d for %.0fs%s",
+            nearline_lag,
+            now - self._waiting_since,
+            f"; {shorter} shorter waits since the last such line" if shorter else "",
+        )
+
+    def _resume(self, now: float) -> None:
+        """Logs the end of a wait at the level its start was logged at."""
+        self.waiting = False
+        if not self._wait_logged:
+            self._short_waits += 1
+        log.log(
+            logging.INFO if self._wait_logged else logging.DEBUG,
+            "backfill resumes: nearline caught up (it waited %.1fs)",
+            now - self._waiting_since,
+        )
 
     # -- backfill batch size ----------------------------------------------------------
 
@@ -222,7 +254,7 @@ def partition_lags(
             if highwater is None:
                 continue
             position = consumer.position(tp, timeout_ms=0)
-        except Exception:  # unassigned meanwhile, or no position yet
+        except kerrors.KafkaError:  # unassigned meanwhile (IllegalStateError), no position yet
             continue
         if position is not None:
             lags[tp] = max(0, highwater - position)

@@ -1,12 +1,18 @@
 """The monitoring profile (docker-compose.yml, deploy/): the Grafana dashboard, the
-Prometheus alert rules and scrape config, and what they query.
+Prometheus alert rules and scrape config, Alertmanager's routes, and what they query.
 
 Every PromQL expression of the dashboard and the rules is read by a small extractor
 that names the series it selects (and fails on anything it does not understand); each
-name must be one the worker exports, as prometheus_client writes it: a counter
-`x` as `x_total`, a histogram `x` as `x_bucket`, `x_sum` and `x_count`. The unit tests
-check that against a fresh WorkerMetrics registry; the integration test against a
-running worker's /metrics, after it embedded and committed real records.
+name must be one the worker or the status exporter (`pipeline status --serve`)
+exports, as prometheus_client writes it: a counter `x` as `x_total`, a histogram `x`
+as `x_bucket`, `x_sum` and `x_count`. The unit tests check that against a fresh
+WorkerMetrics registry and an exporter fed one report; the integration test against a
+running worker's /metrics, after it embedded and committed real records
+(tests/test_status_exporter.py: against a running exporter's).
+
+promtool and amtool run the rules' unit tests and check Alertmanager's routes: from
+$PROMTOOL and $AMTOOL, else as scripts/prom-tools.sh builds them (scripts/test.sh
+does, once), else from PATH; without them those tests skip, saying so.
 
 (PyYAML, for the YAML files, comes with transformers, a dependency of the project.)
 """
@@ -32,6 +38,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.core.metrics import LagClock, WorkerMetrics
+from pipeline.status.exporter import StatusCollector
 from tests.helpers import publish_json, publish_raw, start_worker, stop
 from tests.test_metrics import Samples, free_port, series, value
 
@@ -41,12 +48,15 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pipeline.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "pipeline.yml"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTMANAGER = DEPLOY / "alertmanager" / "alertmanager.yml"
 RULES = DEPLOY / "prometheus" / "alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
 COMPOSE = REPO / "docker-compose.yml"
 
 WORKER_SERVICES = ("worker", "worker-gpu", "worker-s3")
 METRICS_PORT = 9400
+EXPORTER_SERVICE, EXPORTER_JOB, EXPORTER_PORT = "status-exporter", "pipeline-status", 9401
+MONITORING_SERVICES = ("prometheus", "grafana", "alertmanager", EXPORTER_SERVICE)
 # Series Prometheus makes itself for every target, not exported by the worker.
 PROMETHEUS_SERIES = {"up"}
 EXPECTED_ALERTS = {
@@ -56,10 +66,17 @@ EXPECTED_ALERTS = {
         "PartitionLagGrowing",
     },
     "embedding-pipeline-workers": {
+        "NoWorkerUp",
         "WorkerDown",
         "WorkerNotCommitting",
         "WorkerRestarting",
         "DeadLetters",
+    },
+    "embedding-pipeline-groups": {
+        "ConsumerGroupStopped",
+        "ConsumerGroupNotCommitting",
+        "StatusExporterDown",
+        "StatusExporterCannotReadBroker",
     },
 }
 # What the dashboard must show (issue 30); each name must be queried by some panel.
@@ -74,6 +91,12 @@ REQUIRED_SERIES = {
     "pipeline_cache_misses_total",
     "pipeline_dead_letter_records_total",
     "process_resident_memory_bytes",
+    # The broker's view, which outlives the workers (issue 33).
+    "pipeline_status_lag",
+    "pipeline_status_committed_offset",
+    "pipeline_status_end_offset",
+    "pipeline_status_verdict",
+    "pipeline_status_up",
 }
 
 
@@ -282,9 +305,10 @@ def missing(exported: set[str]) -> dict[str, list[str]]:
         ("histogram_quantile(0.95, sum by (le) (rate(pipeline_embed_seconds_bucket[5m])))",
          {"pipeline_embed_seconds_bucket"}),
         ("pipeline_partition_lag > 0 and on (instance, topic, partition) "
-         "changes(pipeline_committed_offset[10m]) == 0 "
-         "unless on (instance) (pipeline_backfill_waiting == 1)",
+         "changes(pipeline_committed_offset[10m]) == 0 unless on (instance, tier) "
+         'label_replace(pipeline_backfill_waiting == 1, "tier", "backfill", "", "")',
          {"pipeline_partition_lag", "pipeline_committed_offset", "pipeline_backfill_waiting"}),
+        ('absent(up{job=~"worker|worker-gpu"} == 1)', {"up"}),
         ("max(x) by (a) / on(a) group_left(b) y offset 5m", {"x", "y"}),
         ('label_replace(m{a="}"}, "dst", "$1", "src", "(.*)") * 1e3', {"m"}),
         ("rate(m[5m:1m])", {"m"}),
@@ -313,11 +337,28 @@ def test_the_extractor_fails_on_what_it_cannot_read(expr: str) -> None:
         selected_series(expr)
 
 
+def exporter_series() -> set[str]:
+    """What the status exporter serves once it has read one report (a read with every
+    field known, so that every family has a sample)."""
+    collector = StatusCollector("g")
+    row = {"topic": "t", "partition": 0, "tier": "nearline", "committed": 5, "end": 9}
+    report = {
+        "verdict": "LAGGING",
+        "members": [],
+        "dead_letter": {"topic": "t.dlq", "records": 0},
+        "partitions": [{**row, "lag": 4, "lag_seconds": 1.5}],
+    }
+    collector.update(report, read_seconds=0.1, at=1.0)
+    collector.failed(ConnectionError("down"), read_seconds=0.1)  # the error counter
+    collector.update(report, read_seconds=0.1, at=2.0)
+    return exported_series(collector.collect())
+
+
 def test_every_query_selects_series_a_worker_registry_declares() -> None:
     text = generate_latest(WorkerMetrics().registry).decode()
     exported = exported_series(text_string_to_metric_families(text))
     assert "process_resident_memory_bytes" in exported
-    assert not missing(exported)
+    assert not missing(exported | exporter_series())
     queried = set().union(*queries().values())
     assert queried >= REQUIRED_SERIES, REQUIRED_SERIES - queried
 
@@ -374,35 +415,103 @@ def test_the_rules_parse_into_the_expected_groups() -> None:
     assert tested == set().union(*EXPECTED_ALERTS.values())
 
 
-PROMTOOL = os.environ.get("PROMTOOL") or shutil.which("promtool")
+def prom_tool(name: str, image: str) -> str | None:
+    """promtool or amtool: $PROMTOOL / $AMTOOL, else the one scripts/prom-tools.sh
+    built for the version of the compose `image`, else one on PATH."""
+    if os.environ.get(name.upper()):
+        return os.environ[name.upper()]
+    tag = load_yaml(COMPOSE)["services"][image]["image"].rpartition(":")[2]
+    cache = os.environ.get("PIPELINE_PROM_TOOLS") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        / "embedding-pipeline"
+        / "prom-tools"
+    )
+    built = Path(cache) / f"{name}-{tag}"
+    return str(built) if os.access(built, os.X_OK) else shutil.which(name)
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool (Prometheus) is not installed")
-def test_promtool_accepts_the_rules_and_their_unit_tests() -> None:
+PROMTOOL = prom_tool("promtool", "prometheus")
+AMTOOL = prom_tool("amtool", "alertmanager")
+NOT_BUILT = "{} is not built: run scripts/prom-tools.sh (scripts/test.sh does)"
+
+
+def run_tool(tool: str, *args: str) -> str:
+    done = subprocess.run([tool, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(args)}:\n{done.stdout}{done.stderr}"
+    return done.stdout
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason=NOT_BUILT.format("promtool"))
+def test_promtool_accepts_the_config_the_rules_and_their_unit_tests() -> None:
     assert PROMTOOL is not None
-    for args in (["check", "rules", str(RULES)], ["test", "rules", str(RULE_TESTS)]):
-        done = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
+    # --syntax-only: the rule file's path is where compose mounts it, not here.
+    run_tool(PROMTOOL, "check", "config", "--syntax-only", str(PROMETHEUS))
+    run_tool(PROMTOOL, "check", "rules", str(RULES))
+    run_tool(PROMTOOL, "test", "rules", str(RULE_TESTS))
+
+
+# Where Alertmanager sends what: (labels of an alert, the receiver it reaches).
+ROUTES = [
+    ({"alertname": "ConsumerGroupStopped", "severity": "critical", "group": "g"}, "oncall"),
+    ({"alertname": "NoWorkerUp", "severity": "critical"}, "oncall"),
+    ({"alertname": "PartitionLagGrowing", "severity": "warning", "job": "worker"}, "team"),
+    ({"alertname": "DeadLetters", "severity": "info", "job": "worker"}, "team"),
+]
+
+
+@pytest.mark.skipif(AMTOOL is None, reason=NOT_BUILT.format("amtool"))
+def test_amtool_accepts_the_alertmanager_config_and_routes_each_severity() -> None:
+    assert AMTOOL is not None
+    run_tool(AMTOOL, "check-config", str(ALERTMANAGER))
+    for labels, receiver in ROUTES:
+        pairs = [f"{k}={v}" for k, v in labels.items()]
+        run_tool(
+            AMTOOL, "config", "routes", "test", f"--config.file={ALERTMANAGER}",
+            f"--verify.receivers={receiver}", *pairs,
+        )  # fmt: skip
+    # Every severity the rules use has a route that was tested.
+    severities = {rule["labels"]["severity"] for rule in rules()}
+    assert severities <= {labels["severity"] for labels, _ in ROUTES}
+
+
+def test_alertmanager_inhibitions_name_alerts_that_exist() -> None:
+    alerts = set().union(*EXPECTED_ALERTS.values())
+    for rule in load_yaml(ALERTMANAGER)["inhibit_rules"]:
+        for matcher in rule["source_matchers"] + rule["target_matchers"]:
+            name = re.fullmatch(r'alertname="(\w+)"', matcher)
+            assert name is not None and name.group(1) in alerts, matcher
 
 
 def test_prometheus_scrapes_every_worker_service_on_its_metrics_port() -> None:
     """The scrape config finds each worker service's replicas by DNS, on the port the
-    service's command serves metrics on; both tools run in the monitoring profile and
-    Prometheus loads the rules file from where it is mounted."""
+    service's command serves metrics on, and scrapes the status exporter on its
+    --serve port; the monitoring tools run in the monitoring profile, Prometheus loads
+    the rules file from where it is mounted and sends alerts to Alertmanager."""
     config = load_yaml(PROMETHEUS)
     services = load_yaml(COMPOSE)["services"]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == set(WORKER_SERVICES)
+    assert set(jobs) == {*WORKER_SERVICES, EXPORTER_JOB}
     for name in WORKER_SERVICES:
         assert f"--metrics-port {METRICS_PORT}" in " ".join(services[name]["command"].split())
         [sd] = jobs[name]["dns_sd_configs"]
         assert sd == {**sd, "names": [name], "type": "A", "port": METRICS_PORT}
+    exporter = " ".join(services[EXPORTER_SERVICE]["command"].split())
+    assert exporter.startswith("status ") and f"--serve :{EXPORTER_PORT}" in exporter
+    [static] = jobs[EXPORTER_JOB]["static_configs"]
+    assert static["targets"] == [f"{EXPORTER_SERVICE}:{EXPORTER_PORT}"]
+    for service in MONITORING_SERVICES:
+        assert services[service]["profiles"] == ["monitoring"], service
     prometheus = services["prometheus"]
-    assert services["grafana"]["profiles"] == prometheus["profiles"] == ["monitoring"]
     assert "./deploy/prometheus:/etc/prometheus:ro" in prometheus["volumes"]
     assert config["rule_files"] == [f"/etc/prometheus/{RULES.name}"]
-    for service in ("prometheus", "grafana"):
+    [alertmanagers] = config["alerting"]["alertmanagers"]
+    assert alertmanagers["static_configs"] == [{"targets": ["alertmanager:9093"]}]
+    alertmanager = services["alertmanager"]
+    assert "./deploy/alertmanager:/etc/alertmanager:ro" in alertmanager["volumes"]
+    assert f"--config.file=/etc/alertmanager/{ALERTMANAGER.name}" in alertmanager["command"]
+    for service in ("prometheus", "grafana", "alertmanager"):
         assert all(p.startswith("127.0.0.1:") for p in services[service]["ports"]), service
+    assert "ports" not in services[EXPORTER_SERVICE]  # inside the network only
 
 
 def test_lag_seconds_age_the_oldest_uncommitted_record_as_first_seen() -> None:
@@ -431,7 +540,7 @@ def test_lag_clock_thins_out_and_only_ever_underestimates() -> None:
 def test_lag_series_follow_the_owned_partitions() -> None:
     metrics = WorkerMetrics()
     get = metrics.registry.get_sample_value
-    labels = {"topic": "t", "partition": "1"}
+    labels = {"topic": "t", "partition": "1", "tier": "nearline"}
     metrics.set_partition_lag({("t", 0): (50, 40), ("t", 1): (7, 9)}, now=1.0)
     assert get("pipeline_partition_lag", labels) == 0  # a stale watermark: never < 0
     assert get("pipeline_committed_offset", labels) == 9
@@ -439,7 +548,49 @@ def test_lag_series_follow_the_owned_partitions() -> None:
     assert get("pipeline_partition_lag", labels) is None
     assert get("pipeline_partition_lag_seconds", labels) is None
     assert get("pipeline_committed_offset", labels) is None
-    assert get("pipeline_partition_lag_seconds", {"topic": "t", "partition": "0"}) == 3.0
+    assert get("pipeline_partition_lag_seconds", {**labels, "partition": "0"}) == 3.0
+
+
+def test_lag_series_name_each_partitions_tier() -> None:
+    """A tiered worker's partitions carry their tier, so that PartitionStalled can leave
+    out backfill partitions only while backfill waits, not the nearline ones."""
+    metrics = WorkerMetrics()
+    metrics.tier_of = lambda key: "backfill" if key[0] == "corpus" else "nearline"
+    metrics.set_partition_lag({("live", 0): (5, 3), ("corpus", 0): (90, 10)}, now=1.0)
+    text = generate_latest(metrics.registry).decode()
+    lag = {
+        (s.labels["topic"], s.labels["tier"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "pipeline_partition_lag"
+        for s in family.samples
+    }
+    assert lag == {("live", "nearline"): 2, ("corpus", "backfill"): 80}
+
+
+def test_a_tiered_worker_labels_its_backfill_partitions(tmp_path: Path) -> None:
+    """The tiered flow control hands the worker's metrics its tiers."""
+    from kafka import TopicPartition
+
+    from consumers.flow import flow_control
+    from consumers.partitions import Ownership, Reader
+    from pipeline.core.config import KafkaSettings, WorkerConfig
+    from tests.test_tiers import LagConsumer
+
+    config = WorkerConfig.of(("live", "corpus"), "g", tmp_path, backfill_topics=("corpus",))
+    consumer = LagConsumer()
+    consumer.assigned = {TopicPartition("live", 0), TopicPartition("corpus", 0)}
+    reader = Reader(consumer, Ownership(), tmp_path, KafkaSettings())  # type: ignore[arg-type]
+    metrics = WorkerMetrics()
+    flow = flow_control(config)
+    flow.pause(consumer, reader, Ownership().in_flight, metrics)  # type: ignore[arg-type]
+    metrics.set_partition_lag({("live", 0): (3, 3), ("corpus", 0): (10, 4)}, now=1.0)
+    lag = {
+        (labels["topic"], labels["tier"]): value
+        for family in metrics.registry.collect()
+        if family.name == "pipeline_partition_lag"
+        for _, labels, value, *_ in family.samples
+    }
+    assert lag == {("live", "nearline"): 0, ("corpus", "backfill"): 6}
 
 
 # -- against a running worker --------------------------------------------------------
@@ -514,10 +665,13 @@ def test_a_running_worker_exports_every_series_the_dashboard_and_rules_query(
         code = stop(proc, signal.SIGTERM, timeout=60)
     assert code == 0, log.read_text()[-3000:]
 
-    assert not missing(exported_series(text_string_to_metric_families(text)))
+    worker = exported_series(text_string_to_metric_families(text))
+    assert not missing(worker | exporter_series())
     # The series the dashboard is for carry values, not only declarations.
     offsets = series(samples, "pipeline_committed_offset")
-    assert sorted(offsets) == [(("partition", str(p)), ("topic", topic)) for p in range(PARTITIONS)]
+    assert sorted(offsets) == [
+        (("partition", str(p)), ("tier", "nearline"), ("topic", topic)) for p in range(PARTITIONS)
+    ]
     assert sum(offsets.values()) == GOOD + 1  # every record, the dead-lettered one too
     assert (value(samples, "process_resident_memory_bytes") or 0) > 10 * 2**20
     assert (value(samples, "pipeline_batch_latency_seconds_count") or 0) >= 1

@@ -160,5 +160,7 @@ def check_gauges(samples: Samples, topic: str) -> None:
     paused = value(samples, "pipeline_paused_partitions")
     assert paused is not None and 0 <= paused <= PARTITIONS
     lag = series(samples, "pipeline_partition_lag")
-    assert sorted(lag) == [(("partition", str(p)), ("topic", topic)) for p in range(PARTITIONS)]
+    assert sorted(lag) == [
+        (("partition", str(p)), ("tier", "nearline"), ("topic", topic)) for p in range(PARTITIONS)
+    ]
     assert all(v == 0 for v in lag.values()), lag  # everything was consumed and committed

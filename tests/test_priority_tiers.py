@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from consumers.tiers import LASTING_WAIT_S
 from tests.helpers import (
     PIPELINE,
     REPO,
@@ -213,6 +214,15 @@ def produce(
     return sent
 
 
+def longest_wait(samples: list[tuple[float, dict[str, float]]]) -> float:
+    """Seconds of the longest single wait the samples saw (waiting, same pause count)."""
+    spans: dict[float, list[float]] = {}
+    for when, values in samples:
+        if values[WAITING] == 1:
+            spans.setdefault(values[PAUSES], []).append(when)
+    return max((max(times) - min(times) for times in spans.values()), default=0.0)
+
+
 def waited_pairs(samples: list[tuple[float, dict[str, float]]]) -> list[tuple[dict, dict]]:
     """Consecutive samples between which the worker waited all along: waiting in both,
     no new pause in between (resuming takes a second at zero lag; samples are 0.2 s
@@ -385,7 +395,8 @@ def test_nearline_first_while_a_large_backfill_waits(
     assert samples[-1][1][WAITING] == 0 and samples[-1][1][PAUSES] >= 1
     assert samples[-1][1][BACKFILL_RECORDS] == backfill + len(bad)
     text = log.read_text()
-    assert "backfill waits: nearline lag" in text and "backfill resumes" in text
+    if longest_wait(samples) > LASTING_WAIT_S + 1:  # shorter ones log at DEBUG only
+        assert "backfill waits: nearline lag" in text and "backfill resumes" in text
     assert_every_offset_of_every_topic_once(broker, [live, corpus], group_id, out)
     report = status_report(broker, group_id)
     assert tiers_of(report) == {live: {"nearline"}, corpus: {"backfill"}}

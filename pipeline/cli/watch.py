@@ -13,6 +13,7 @@ from pipeline.cli.options import OUTPUT_HELP, env_option, output_option
 from pipeline.core.config import (
     KafkaSettings,
 )
+from pipeline.core.errors import ConfigError
 
 # -- status ---------------------------------------------------------------------------
 
@@ -38,7 +39,17 @@ from pipeline.core.config import (
     type=click.FloatRange(min=0.5),
     default=None,
     metavar="SECONDS",
-    help="Refresh every SECONDS until interrupted.",
+    help="Refresh every SECONDS until interrupted (with --serve: read the broker every "
+    "SECONDS, default 15).",
+)
+@click.option(
+    "--serve",
+    "serve_address",
+    default=None,
+    metavar="[HOST]:PORT",
+    help="Serve the report as Prometheus metrics (pipeline_status_*) on HOST:PORT "
+    "(default host: all interfaces) until SIGTERM, instead of printing it; a failed read "
+    "is pipeline_status_up 0, not an exit.",
 )
 @click.pass_obj
 def status(
@@ -49,6 +60,7 @@ def status(
     dlq_topic: str | None,
     as_json: bool,
     watch: float | None,
+    serve_address: str | None,
 ) -> None:
     """Lag report of a consumer group; the exit code is the group's verdict.
 
@@ -58,6 +70,9 @@ def status(
     from pipeline import status as lag
 
     topics_list = list(topic) or None
+    if serve_address is not None:
+        _serve(kafka, group, topics_list, output, dlq_topic, as_json, watch, serve_address)
+        return
     if watch is not None:
         last = lag.watch(
             kafka, group, watch, topics_list, output, as_json=as_json, dlq_topic=dlq_topic
@@ -66,6 +81,24 @@ def status(
     report = lag.collect_status(kafka, group, topics_list, output, dlq_topic=dlq_topic)
     click.echo(json.dumps(report, indent=2) if as_json else lag.render_table(report))
     sys.exit(lag.exit_code_for(report.get("verdict", "OK")))
+
+
+def _serve(
+    kafka: KafkaSettings,
+    group: str,
+    topics: list[str] | None,
+    output: Path | None,
+    dlq_topic: str | None,
+    as_json: bool,
+    watch: float | None,
+    address: str,
+) -> None:
+    from pipeline.status.exporter import DEFAULT_INTERVAL_S, StatusExporter, serve
+
+    if as_json:
+        raise ConfigError("--serve answers scrapes; it prints nothing (drop --json)")
+    exporter = StatusExporter(kafka, group, topics, output, dlq_topic=dlq_topic)
+    serve(exporter, address, watch or DEFAULT_INTERVAL_S)
 
 
 # -- audit ----------------------------------------------------------------------------

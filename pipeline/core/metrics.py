@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,8 +20,12 @@ _TOKEN_BUCKETS = (64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144
 # High watermarks remembered per partition for its lag in seconds; past this many, every
 # other one is dropped (the figure can then only come out lower, never higher).
 _LAG_CLOCK_ENTRIES = 256
+_PARTITION_LABELS = ["topic", "partition", "tier"]
 
 PartitionKey = tuple[str, int]
+# The tier of a partition without priority tiers (consumers.tiers.NEARLINE: anything
+# not named by --backfill-topic).
+DEFAULT_TIER = "nearline"
 
 
 class LagClock:
@@ -129,12 +133,13 @@ class WorkerMetrics:
             "pipeline_dead_letter_records", "Records sent to the dead-letter topic", registry=r
         )
         # Each partition's three, for the partitions this worker owns and has committed
-        # since it took them (set_partition_lag).
+        # since it took them (set_partition_lag), labelled with the partition's tier so
+        # that alerts can tell a backfill partition waiting on purpose from a stall.
         self.lag = Gauge(
             "pipeline_partition_lag",
             "Records not yet committed: the high watermark last fetched minus the offset "
             "this worker committed",
-            ["topic", "partition"],
+            _PARTITION_LABELS,
             registry=r,
         )
         self.lag_seconds = Gauge(
@@ -142,17 +147,19 @@ class WorkerMetrics:
             "Seconds since this worker first saw the oldest record it has not committed "
             "(its fetches' high watermark passed it); 0 when the lag is 0. A lower bound on "
             "that record's age, counted from when this worker took the partition",
-            ["topic", "partition"],
+            _PARTITION_LABELS,
             registry=r,
         )
         self.committed_offset = Gauge(
             "pipeline_committed_offset",
             "The offset this worker last committed (acknowledged by the broker)",
-            ["topic", "partition"],
+            _PARTITION_LABELS,
             registry=r,
         )
         self._lag_clock = LagClock()
-        self._lag_keys: set[PartitionKey] = set()
+        self._lag_labels: dict[PartitionKey, tuple[str, str, str]] = {}
+        # A partition's tier; the tiered flow control (consumers.flow) sets its own.
+        self.tier_of: Callable[[PartitionKey], str] = lambda key: DEFAULT_TIER
         self.publish_conflicts = Counter(
             "pipeline_publish_conflicts",
             "Segments another worker published first (a stalled worker coming back)",
@@ -249,18 +256,21 @@ class WorkerMetrics:
         """Sets the lag series from (high watermark, committed offset) per partition
         (`now`: time.monotonic()); removes those of partitions not among them (no
         longer owned, or not committed since this worker took them)."""
-        for key in self._lag_keys - set(positions):
-            for gauge in (self.lag, self.lag_seconds, self.committed_offset):
-                gauge.remove(key[0], str(key[1]))
-            self._lag_clock.forget(key)
+        labels_now = {key: (key[0], str(key[1]), self.tier_of(key)) for key in positions}
+        for key, labels in self._lag_labels.items():
+            if labels_now.get(key) != labels:
+                for gauge in (self.lag, self.lag_seconds, self.committed_offset):
+                    gauge.remove(*labels)
+            if key not in labels_now:
+                self._lag_clock.forget(key)
         for key, (highwater, committed) in positions.items():
-            labels = (key[0], str(key[1]))
+            labels = labels_now[key]
             self.lag.labels(*labels).set(max(0, highwater - committed))
             self.lag_seconds.labels(*labels).set(
                 self._lag_clock.seconds(key, highwater, committed, now)
             )
             self.committed_offset.labels(*labels).set(committed)
-        self._lag_keys = set(positions)
+        self._lag_labels = labels_now
 
     def serve(self, port: int) -> None:
         start_http_server(port, addr="0.0.0.0", registry=self.registry)
