@@ -463,7 +463,7 @@ class Reader:
         tp = TopicPartition(*key)
         try:
             position = self.consumer.position(tp, timeout_ms=0)
-        except Exception:  # unassigned meanwhile, or no position yet: nothing skipped
+        except kerrors.KafkaError:  # unassigned meanwhile, no position yet: nothing skipped
             return None
         if position is None or position <= state.next_offset:
             return None

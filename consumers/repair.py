@@ -260,7 +260,7 @@ def decode_failure(kafka: KafkaSettings, tp: TopicPartition, position: int) -> E
                 probe.poll(timeout_ms=500, max_records=1)
     except record_batches.UNDECODABLE as exc:
         return exc
-    except Exception:  # the probe is a diagnosis: anything else says nothing
+    except (kerrors.KafkaError, PipelineError):  # the broker's trouble: no diagnosis
         return None
     return None
 

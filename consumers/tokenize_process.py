@@ -21,7 +21,8 @@ When a poll's records join the batcher is the poll loop's business
 The child dies with the worker (PR_SET_PDEATHSIG on Linux) and leaves signals sent
 to the whole process group to the worker, which drains with its help; a child that
 dies or stops answering ends the worker with one line, nothing committed past what
-was written.
+was written. An exception in the child is a bug (parsing turns every bad value into
+a bad record): it ends the worker with the child's traceback (`TokenizerChildError`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -59,6 +61,11 @@ ANSWER_TIMEOUT_S = 120.0
 _TICK_S = 0.05
 
 
+class TokenizerChildError(RuntimeError):
+    """The child raised, or answered out of turn: a bug, never an input's fault. The
+    message carries the child's traceback; the CLI prints it and asks for a report."""
+
+
 class TokenizerProcess:
     """A child process that parses record values and tokenizes the good ones' texts
     (after `prompt`), one poll at a time, as `parser` and the tokenizer say."""
@@ -70,8 +77,11 @@ class TokenizerProcess:
         parser: RecordParser | None = None,
         prompt: str = "",
         fast_path: bool = True,
+        split_special_tokens: bool = False,
     ) -> None:
-        """`fast_path` False: the Rust tokenizer for every text (PIPELINE_TOKENIZER=rust)."""
+        """`fast_path` False: the Rust tokenizer for every text (PIPELINE_TOKENIZER=rust).
+        `split_special_tokens`: the tokenizer's `encode_special_tokens`, which its JSON
+        does not carry (a special token's text in a record is then plain text)."""
         parent_end, child_end = socket.socketpair()
         self._child = subprocess.Popen(
             [sys.executable, "-c", "from consumers.tokenize_process import main; main()",
@@ -84,7 +94,7 @@ class TokenizerProcess:
         self._conn = Connection(parent_end.detach())
         self._waiting = False
         self._ready: bool | None = None  # known once the child's first answer is read
-        setup = (tokenizer_json, parser or RecordParser(), prompt, fast_path)
+        setup = (tokenizer_json, parser or RecordParser(), prompt, fast_path, split_special_tokens)
         self._conn.send_bytes(pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
 
     @classmethod
@@ -95,28 +105,27 @@ class TokenizerProcess:
         parser: RecordParser | None = None,
         prompt: str = "",
         fast_path: bool = True,
+        split_special_tokens: bool = False,
     ) -> TokenizerProcess:
         """A ready child (waited for)."""
-        process = cls(tokenizer_json, max_length, parser, prompt, fast_path)
+        process = cls(tokenizer_json, max_length, parser, prompt, fast_path, split_special_tokens)
         process.ready()
         return process
 
     def ready(self) -> bool:
-        """Waits (bounded) for the child to have built its tokenizers: False, and the
-        child ended, where it refused. The worker asks at its first large poll, so
-        that the child starts while the group is joined."""
+        """Waits (bounded) for the child to have built its tokenizers: True, or the
+        child's failure raised (and the child ended). The worker asks at its first
+        large poll, so that the child starts while the group is joined."""
         if self._ready is None:
             try:
                 kind, detail = self._answer(START_TIMEOUT_S)
-            except PipelineError:
+                if kind != "ready":
+                    raise TokenizerChildError(f"the tokenizer process answered {kind!r} at start")
+            except (PipelineError, TokenizerChildError):
                 self.close()
                 raise
-            self._ready = kind == "ready"
-            if self._ready:
-                log.info("tokenizer process: on, %s (a poll ahead of the poll loop)", detail)
-            else:
-                self.close()
-                log.info("tokenizer process: not used (%s)", detail)
+            self._ready = True
+            log.info("tokenizer process: on, %s (a poll ahead of the poll loop)", detail)
         return self._ready
 
     def submit_values(self, values: list[bytes | None]) -> None:
@@ -139,7 +148,7 @@ class TokenizerProcess:
         kind, detail = self._answer(ANSWER_TIMEOUT_S)
         self._waiting = False
         if kind != "parsed":
-            raise PipelineError(f"the tokenizer process answered {kind!r}: {detail}")
+            raise TokenizerChildError(f"the tokenizer process answered {kind!r} to a poll")
         (flat, offsets, truncated, _), texts, record_ids, metadatas, bad = detail
         ids = _views(flat, offsets)
         if not bad:
@@ -178,7 +187,7 @@ class TokenizerProcess:
                     "restart the worker (or run it with --tokenizer-process off)"
                 )
         if message[0] == "error":
-            raise PipelineError(f"the tokenizer process failed: {message[1]}")
+            raise TokenizerChildError(f"the tokenizer process failed:\n{message[1]}")
         return message
 
     def _gone(self) -> PipelineError:
@@ -255,11 +264,11 @@ def main() -> None:
     conn = Connection(fd)
     try:
         _serve(conn, max_length)
-    except (EOFError, OSError):
+    except (EOFError, ConnectionError):
         return  # the worker closed its end, or is gone
-    except Exception as exc:  # one line for the worker to report, never a traceback
+    except Exception:  # a bug: its traceback goes to the worker, which stops with it
         with contextlib.suppress(OSError):
-            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         sys.exit(1)
 
 
@@ -268,8 +277,9 @@ def _serve(conn: Connection, max_length: int) -> None:
 
     from pipeline.model.tokenize import batches, fast_path
 
-    tokenizer_json, parser, prompt, use_fast_path = pickle.loads(conn.recv_bytes())
+    tokenizer_json, parser, prompt, use_fast_path, split = pickle.loads(conn.recv_bytes())
     rust_tokenizer = Tokenizer.from_str(tokenizer_json)
+    rust_tokenizer.encode_special_tokens = split
     fast = fast_path.for_tokenizer(rust_tokenizer, max_length) if use_fast_path else None
     if fast is not None:
         fast.unicode_rules()  # built now, not at the first non-ASCII poll

@@ -53,14 +53,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from harness import broker, worker
+from harness import HarnessError, broker, worker
 from harness.baselines import (
     WARMUP_TEXTS,
     NaiveModel,
     bench_naive,
     bench_sentence_transformers,
 )
-from harness.broker import HarnessError
 from harness.corpora import paragraphs as make_texts
 from harness.numbers import Padding, Rate, load_note, median_by
 from harness.quality import Quality, quality

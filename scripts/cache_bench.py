@@ -44,8 +44,7 @@ import numpy as np
 import pyarrow.dataset as ds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import broker, worker
-from harness.broker import HarnessError
+from harness import HarnessError, broker, worker
 from harness.corpora import paragraphs
 from harness.numbers import load_note
 

@@ -4,6 +4,11 @@
 #
 #   scripts/demo.sh [NUMBER_OF_PARAGRAPHS]      (default 2000)
 set -euo pipefail
+case "${1:-}" in  # before any step: --help must not start one
+  -h|--help) echo "usage: $0 [NUMBER_OF_PARAGRAPHS]"; sed -n '2,/^set -/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+  ""|*[!0-9]*) [[ -z "${1:-}" ]] || { echo "usage: $0 [NUMBER_OF_PARAGRAPHS]" >&2; exit 2; } ;;
+esac
+[[ $# -le 1 ]] || { echo "usage: $0 [NUMBER_OF_PARAGRAPHS]" >&2; exit 2; }
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 scripts/setup.sh

@@ -175,5 +175,6 @@ case "${1:-}" in
   restart) stop; start ;;
   wipe) stop; rm -rf "$DATA" "$LOG" "$CACHE/stdout.log" "$CACHE/redis.conf"; rmdir "$CACHE" 2>/dev/null || true; echo "dev-redis: data removed ($CACHE)" ;;
   url) echo "redis://127.0.0.1:$PORT/0" ;;
+  -h|--help) echo "usage: $0 start|stop|status|restart|wipe|url"; sed -n '2,/^set -/s/^# \{0,1\}//p' "$0" ;;
   *) echo "usage: $0 start|stop|status|restart|wipe|url" >&2; exit 2 ;;
 esac

@@ -179,5 +179,6 @@ case "${1:-}" in
   # The data goes anyway: no need to wait for a graceful stop.
   wipe) stop 2; rm -rf "$DATA" "$LOGS" "$CACHE/s3.json"; rmdir "$CACHE" 2>/dev/null || true; echo "dev-s3: data removed ($CACHE)" ;;
   env) print_env ;;
+  -h|--help) echo "usage: $0 start|stop|status|restart|wipe|env"; sed -n '2,/^set -/s/^# \{0,1\}//p' "$0" ;;
   *) echo "usage: $0 start|stop|status|restart|wipe|env" >&2; exit 2 ;;
 esac

@@ -3,6 +3,11 @@
 # installed, and the local Kafka broker running. Safe to run again: each step is
 # skipped when it is already done.
 set -euo pipefail
+case "${1:-}" in  # no arguments; --help must not start the work
+  "") ;;
+  -h|--help) echo "usage: $0"; sed -n '2,/^set -/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+  *) echo "usage: $0 (no arguments)" >&2; exit 2 ;;
+esac
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"

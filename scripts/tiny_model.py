@@ -28,6 +28,7 @@ is written to a temp folder and renamed into place, so concurrent builders are s
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -169,13 +170,36 @@ def ensure_tiny_model(directory: Path | str | None = None, variant: str = "tiny"
     return target
 
 
-def main(argv: list[str]) -> int:
-    flags = {f"--{name}": name for name in RECIPES}
-    args = [a for a in argv[1:] if a not in flags]
-    variant = next((flags[a] for a in argv[1:] if a in flags), "tiny")
-    print(ensure_tiny_model(args[0] if args else None, variant))
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Prints the model's folder."
+    )
+    parser.add_argument(
+        "directory",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="where to build it [default: ~/.cache/embedding-pipeline/tiny-model[-VARIANT]]",
+    )
+    variants = parser.add_mutually_exclusive_group()
+    for name, recipe in RECIPES.items():
+        variants.add_argument(
+            f"--{name}",
+            dest="variant",
+            action="store_const",
+            const=name,
+            help=f"{recipe.hidden} dimensions, {recipe.layers} layer(s), "
+            f"{recipe.max_seq_length} tokens" + (" [the default]" if name == "tiny" else ""),
+        )
+    parser.set_defaults(variant="tiny")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(ensure_tiny_model(args.directory, args.variant))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

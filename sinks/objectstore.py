@@ -36,20 +36,18 @@ A missing key is `FileNotFoundError` (as for a local file).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from pipeline.core.errors import ConfigError, OutputError
+from pipeline.core.retry import Backoff, retry
 from sinks.object_io import Body, Data, RangedObject
-
-if TYPE_CHECKING:
-    pass
 
 ENDPOINT_ENV_VARS = ("PIPELINE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 DEFAULT_REGION = "us-east-1"
@@ -58,6 +56,9 @@ DEFAULT_REGION = "us-east-1"
 # as ambiguous) or a binary file object, read from its current position.
 
 # A single PUT carries at most 5 GiB on AWS; segments are far smaller.
+# Between tries of a create that raced another conditional write (409): 50 ms doubling
+# to 2 s, each stretched by up to as much again at random.
+_CONFLICT_BACKOFF = Backoff(0.05, 2.0, max_s=2.0, jitter=1.0)
 _ACCESS_CODES = frozenset(
     {
         "AccessDenied",
@@ -188,10 +189,8 @@ class ObjectStore:
                 region_name=region,
             )
             session_region = self._session.region_name
-        except Exception as exc:  # e.g. AWS_PROFILE names no profile
-            if _is_botocore(exc):
-                raise ConfigError(f"cannot configure the S3 client: {_one_line(exc)}") from exc
-            raise
+        except _botocore_errors() as exc:  # e.g. AWS_PROFILE names no profile
+            raise ConfigError(f"cannot configure the S3 client: {_one_line(exc)}") from exc
         self.region = region or os.environ.get("AWS_REGION") or session_region or DEFAULT_REGION
         config = Config(
             region_name=self.region,
@@ -248,106 +247,86 @@ class ObjectStore:
         from botocore.exceptions import ClientError
 
         full = self.full_key(key)
-        delay = 0.05
-        with Body(data) as body:
-            for attempt in range(self.conflict_retries + 1):
-                try:
-                    self._client.put_object(
-                        Bucket=self.bucket,
-                        Key=full,
-                        Body=body.rewind(),
-                        ContentLength=body.size,
-                        ContentMD5=body.md5,
-                        IfNoneMatch="*",
-                    )
-                    return True
-                except ClientError as exc:
-                    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                    code = exc.response.get("Error", {}).get("Code", "")
-                    if status == 412 or code == "PreconditionFailed":
-                        return False
-                    if status == 501 or code == "NotImplemented":
-                        raise OutputError(
-                            f"the object store at {self._where()} does not support "
-                            f"conditional writes (If-None-Match), which exactly-once "
-                            f"output needs"
-                        ) from exc
-                    if (status == 409 or code == "ConditionalRequestConflict") and (
-                        attempt < self.conflict_retries
-                    ):
-                        # Raced another conditional operation on the key: no answer yet.
-                        time.sleep(delay * (1 + random.random()))
-                        delay = min(delay * 2, 2.0)
-                        continue
-                    raise self._error(exc, "create", full) from exc
-                except Exception as exc:
-                    if _is_botocore(exc):
-                        raise self._error(exc, "create", full) from exc
-                    raise
-        raise AssertionError("unreachable")  # the loop returns or raises
 
-    def put(self, key: str, data: Data) -> None:
-        """Writes `key` (replacing any object there)."""
-        full = self.full_key(key)
-        try:
-            with Body(data) as body:
+        def create(body: Body) -> bool:
+            try:
                 self._client.put_object(
                     Bucket=self.bucket,
                     Key=full,
                     Body=body.rewind(),
                     ContentLength=body.size,
                     ContentMD5=body.md5,
+                    IfNoneMatch="*",
                 )
-        except Exception as exc:
-            if _is_botocore(exc):
-                raise self._error(exc, "write", full) from exc
-            raise
+                return True
+            except ClientError as exc:
+                status, code = _status_and_code(exc)
+                if status == 412 or code == "PreconditionFailed":
+                    return False
+                if status == 501 or code == "NotImplemented":
+                    raise OutputError(
+                        f"the object store at {self._where()} does not support "
+                        f"conditional writes (If-None-Match), which exactly-once "
+                        f"output needs"
+                    ) from exc
+                raise
+
+        with Body(data) as body, self._translated("create", full):
+            # A write that raced another conditional one on the key has no answer yet.
+            return retry(
+                lambda: create(body),
+                on=ClientError,
+                when=_is_conflict,
+                attempts=self.conflict_retries + 1,
+                pause=_CONFLICT_BACKOFF,
+            )
+
+    def put(self, key: str, data: Data) -> None:
+        """Writes `key` (replacing any object there)."""
+        full = self.full_key(key)
+        with self._translated("write", full), Body(data) as body:
+            self._client.put_object(
+                Bucket=self.bucket,
+                Key=full,
+                Body=body.rewind(),
+                ContentLength=body.size,
+                ContentMD5=body.md5,
+            )
 
     def delete(self, key: str) -> None:
         """Deletes `key`; no error when it does not exist."""
         full = self.full_key(key)
-        try:
+        with self._translated("delete", full):
             self._client.delete_object(Bucket=self.bucket, Key=full)
-        except Exception as exc:
-            if _is_botocore(exc):
-                raise self._error(exc, "delete", full) from exc
-            raise
 
     # -- reads ----------------------------------------------------------------
 
     def get(self, key: str) -> bytes:
         """The whole object; FileNotFoundError when there is none."""
         full = self.full_key(key)
-        try:
+        with self._translated("read", full, missing=True):
             response = self._client.get_object(Bucket=self.bucket, Key=full)
             with response["Body"] as stream:
                 return stream.read()
-        except Exception as exc:
-            if _is_not_found(exc):
-                raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
-            if _is_botocore(exc):
-                raise self._error(exc, "read", full) from exc
-            raise
 
     def get_range(self, key: str, start: int, end: int | None = None) -> tuple[bytes, int]:
         """Bytes `start..end` (inclusive) of the object, or its last `-start` bytes when
         `start` is negative; with the object's whole size. FileNotFoundError when there
         is none. A store error is OutputError, never an OSError: a reader can tell a
         damaged object from one it could not fetch."""
+        from botocore.exceptions import ClientError
+
         full = self.full_key(key)
         wanted = f"bytes={start}" if start < 0 else f"bytes={start}-{'' if end is None else end}"
-        try:
-            response = self._client.get_object(Bucket=self.bucket, Key=full, Range=wanted)
+        with self._translated("read", full, missing=True):
+            try:
+                response = self._client.get_object(Bucket=self.bucket, Key=full, Range=wanted)
+            except ClientError as exc:
+                if _is_range_not_satisfiable(exc):  # an empty object
+                    return b"", 0
+                raise
             with response["Body"] as stream:
                 data = stream.read()
-        except Exception as exc:
-            if _is_not_found(exc):
-                raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
-            if _is_range_not_satisfiable(exc):  # an empty object
-                return b"", 0
-            if _is_botocore(exc):
-                raise self._error(exc, "read", full) from exc
-            raise
         total = response.get("ContentRange", "").rpartition("/")[2]
         return data, int(total) if total.isdigit() else len(data)
 
@@ -357,31 +336,23 @@ class ObjectStore:
         return RangedObject(self, key, tail)
 
     def exists(self, key: str) -> bool:
-        full = self.full_key(key)
         try:
-            self._client.head_object(Bucket=self.bucket, Key=full)
-            return True
-        except Exception as exc:
-            if _is_not_found(exc):
-                # A HEAD has no body, so a missing bucket is a bare 404 as well.
-                self._ensure_bucket()
-                return False
-            if _is_botocore(exc):
-                raise self._error(exc, "look up", full) from exc
-            raise
+            self.size(key)
+        except FileNotFoundError:
+            return False
+        return True
 
     def size(self, key: str) -> int:
         """The object's size in bytes; FileNotFoundError when there is none."""
         full = self.full_key(key)
         try:
-            return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
-        except Exception as exc:
-            if _is_not_found(exc):
-                self._ensure_bucket()
-                raise FileNotFoundError(f"no object {self._s3(full)} at {self._where()}") from exc
-            if _is_botocore(exc):
-                raise self._error(exc, "look up", full) from exc
+            with self._translated("look up", full, missing=True):
+                head = self._client.head_object(Bucket=self.bucket, Key=full)
+        except FileNotFoundError:
+            # A HEAD has no body, so a missing bucket is a bare 404 as well.
+            self._ensure_bucket()
             raise
+        return int(head["ContentLength"])
 
     def list(self, prefix: str = "", *, page_size: int = 1000) -> Iterator[ObjectInfo]:
         """Objects whose key (relative to the store's prefix) starts with `prefix`, in
@@ -395,12 +366,8 @@ class ObjectStore:
             "MaxKeys": page_size,
         }
         while True:
-            try:
+            with self._translated("list", full_prefix):
                 page = self._client.list_objects_v2(**kwargs)
-            except Exception as exc:
-                if _is_botocore(exc):
-                    raise self._error(exc, "list", full_prefix) from exc
-                raise
             for item in page.get("Contents", ()):
                 modified = item.get("LastModified")
                 yield ObjectInfo(
@@ -418,12 +385,8 @@ class ObjectStore:
     def check(self) -> None:
         """Raises OutputError unless the store answers, accepts the credentials and
         holds the bucket (one small list request)."""
-        try:
+        with self._translated("list", self.prefix):
             self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
-        except Exception as exc:
-            if _is_botocore(exc):
-                raise self._error(exc, "list", self.prefix) from exc
-            raise
         self._bucket_checked = True
 
     def verify_conditional_put(self) -> None:
@@ -454,6 +417,19 @@ class ObjectStore:
     def _s3(self, full_key: str) -> str:
         return f"s3://{self.bucket}/{full_key}"
 
+    @contextlib.contextmanager
+    def _translated(self, action: str, full_key: str, missing: bool = False) -> Iterator[None]:
+        """A botocore failure as one OutputError line (`_error`); with `missing`, a key
+        that is not there as FileNotFoundError, as for a local file. Nothing else is
+        caught: any other exception is a bug and keeps its traceback."""
+        try:
+            yield
+        except _botocore_errors() as exc:
+            if missing and _is_not_found(exc):
+                where = f"no object {self._s3(full_key)} at {self._where()}"
+                raise FileNotFoundError(where) from exc
+            raise self._error(exc, action, full_key) from exc
+
     def _error(self, exc: BaseException, action: str, full_key: str) -> OutputError:
         """One actionable line for a botocore failure."""
         from botocore.exceptions import (
@@ -478,8 +454,7 @@ class ObjectStore:
             )
         if isinstance(exc, ClientError):
             error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            status, code = _status_and_code(exc)
             message = _one_line(error.get("Message", "")) or f"HTTP {status}"
             if code == "NoSuchBucket":
                 return OutputError(
@@ -502,10 +477,24 @@ class ObjectStore:
         return OutputError(f"cannot {action} {target} at {where}: {_one_line(exc)}")
 
 
-def _is_botocore(exc: BaseException) -> bool:
+def _botocore_errors() -> tuple[type[Exception], ...]:
+    """What botocore raises for a failed request (boto3 is an optional extra, so
+    imported when a store is made)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    return isinstance(exc, (BotoCoreError, ClientError))
+    return (BotoCoreError, ClientError)
+
+
+def _status_and_code(exc: Any) -> tuple[int | None, str]:
+    """A ClientError's HTTP status and error code."""
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status, str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _is_conflict(exc: Exception) -> bool:
+    """A conditional write that raced another conditional operation on the key (409)."""
+    status, code = _status_and_code(exc)
+    return status == 409 or code == "ConditionalRequestConflict"
 
 
 def _is_range_not_satisfiable(exc: BaseException) -> bool:

@@ -1,7 +1,7 @@
 """The rebalance state machine (consumers/partitions.py) against a stand-in for the
 consumer's local state: where every assignment starts, what a fence does, pauses
 reconciled with the consumer's own flags, and the revoke wait. No broker: the
-integration tests (test_rebalance.py, scripts/chaos.py) cover the real thing."""
+integration tests (test_rebalance.py, scripts/chaos/) cover the real thing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kafka import TopicPartition
+from kafka.errors import IllegalStateError
 
 from consumers.partitions import Change, Listener, Ownership, Reader
 from pipeline.core.config import KafkaSettings
@@ -158,6 +159,26 @@ def test_records_below_the_next_offset_are_refused_and_gaps_are_covered(world) -
     assert reader.skipped_to((T, 0)) == 5
     assert reader.skipped_to((T, 0)) is None
     assert not reader.accept((T, 0), 4)
+
+
+def test_a_position_unknown_meanwhile_skips_nothing_but_a_bug_is_raised(
+    world, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    consumer, ownership, reader = world
+    assign(consumer, ownership, 0)
+    reader.apply()
+
+    def position(error: Exception):
+        def raising(tp: TopicPartition, timeout_ms: int | None = None) -> int:
+            raise error
+
+        return raising
+
+    monkeypatch.setattr(consumer, "position", position(IllegalStateError("not assigned")))
+    assert reader.skipped_to((T, 0)) is None
+    monkeypatch.setattr(consumer, "position", position(TypeError("a bug")))
+    with pytest.raises(TypeError):  # before: read as "nothing skipped"
+        reader.skipped_to((T, 0))
 
 
 def test_a_polled_run_keeps_only_records_at_or_past_the_next_offset(world) -> None:

@@ -73,3 +73,69 @@ def test_log_lines_are_periodic_and_the_last_is_not_repeated(
         bar.update(600)
         bar.close()  # news since the last line: one more
     assert len(caplog.records) == 2
+
+
+def _screen(written: str) -> str:
+    """What a terminal shows of a single line redrawn with carriage returns."""
+    screen: list[str] = []
+    for segment in written.rstrip("\n").split("\r"):
+        screen[: len(segment)] = segment
+    return "".join(screen).rstrip()
+
+
+def test_the_bar_says_what_the_log_line_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = _Tty()
+    bar = Progress("embedding", 1000, stream=stream)
+    now[0] += 10
+    bar.update(250)
+    shown = _screen(stream.getvalue())
+    assert shown == (
+        "embedding: [#######.......................] 250/1,000 records (25.0%) "
+        "25 records/s, elapsed 00:10, ETA 00:30"
+    )
+    assert shown.replace("[#######.......................] ", "") == bar.line()
+
+
+def test_a_shorter_line_leaves_nothing_of_the_longer_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = _Tty()
+    bar = Progress("embedding", 10_000_000, stream=stream)
+    now[0] = 10.0
+    bar.update(1_000)
+    now[0] = 20.0
+    bar.update(9_000)  # the ETA loses a digit, nothing else grows
+    assert "100 records/s, elapsed 00:10, ETA 27:46:30" in stream.getvalue()
+    assert _screen(stream.getvalue()).endswith("450 records/s, elapsed 00:20, ETA 6:10:02")
+
+
+def test_elapsed_moves_on_the_terminal_without_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = _Tty()
+    bar = Progress("producing", None, stream=stream)
+    now[0] = 65.0
+    bar.update(0)
+    assert _screen(stream.getvalue()) == "producing: 0 records, 0 records/s, elapsed 01:05"
+    bar.close()
+    assert stream.getvalue().endswith("\n")
+
+
+def test_a_terminal_that_does_not_say_its_width_gets_the_whole_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    import sys
+
+    master, slave = os.openpty()  # never sized: 0 columns, as some CI terminals
+    with open(slave, "w") as terminal:
+        assert os.get_terminal_size(terminal.fileno()).columns == 0
+        monkeypatch.setattr(sys, "stderr", terminal)  # where the bar goes
+        bar = Progress("producing", None)
+        bar.update(10)
+        bar.close()
+    shown = os.read(master, 4096).decode()
+    os.close(master)
+    assert "producing: 10 records" in shown and "elapsed 00:00" in shown, repr(shown)

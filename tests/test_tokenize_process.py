@@ -382,3 +382,32 @@ def test_a_signal_to_the_whole_process_group_drains_the_worker(
     rows = output_rows(out)
     assert duplicates(rows) == []
     assert set(rows) == {(topic, i % 2, i // 2) for i in _good(items, 2)}
+
+
+def test_split_special_tokens_reaches_the_child(tiny_model: str, tmp_path: Path) -> None:
+    """`split_special_tokens` is not in the tokenizer's serialised form: the child is told
+    it, and reads a special token's text in a record as the worker's own process does."""
+    import shutil
+
+    folder = tmp_path / "split"
+    shutil.copytree(tiny_model, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "split_special_tokens": True}))
+    embedder = Embedder.load(str(folder), precision="fp32", device="cpu")
+    assert embedder.split_special_tokens
+    texts = ["a text that names [SEP] and [CLS] in its words", "[PAD] [MASK] [UNK] here"]
+    child = TokenizerProcess.start(
+        embedder.tokenizer_json(),
+        embedder.info.max_length,
+        split_special_tokens=embedder.split_special_tokens,
+    )
+    try:
+        _, ids, _ = child_ids(child, texts)
+    finally:
+        child.close()
+    expected = embedder.tokenize(texts).ids
+    assert [list(i) for i in ids] == [list(i) for i in expected]
+    specials = {embedder._fast.token_to_id(t) for t in ("[SEP]", "[CLS]", "[PAD]", "[MASK]")}
+    inside = {int(t) for one in expected for t in one[1:-1]}
+    assert not specials & inside  # split: none of them read as its special token

@@ -4,6 +4,8 @@ line and a sysexits code for every expected failure."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,9 @@ OUTPUT_HELP = (
 )
 
 F = Callable[..., Any]
+
+# A bug (any exception but a PipelineError) exits EX_SOFTWARE, with its traceback.
+BUG_EXIT_CODE = 70
 
 
 class OutputPath(click.Path):
@@ -68,7 +73,8 @@ def env_option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
 
 
 class PipelineGroup(click.Group):
-    """Turns expected failures into one line on stderr and an exit code outside 0-4.
+    """Turns expected failures into one line on stderr and an exit code outside 0-4,
+    and a bug into its traceback, a line asking for a report, and exit 70.
 
     0-4 are findings (`status` verdicts, `audit` results), so nothing operational
     may use them: click's usage errors (exit 2 by default) exit 64 (EX_USAGE),
@@ -96,6 +102,24 @@ class PipelineGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own: usage errors, ctx.exit(code), aborts
+        except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EPIPE:
+                raise  # click's main quiets a closed pipe (`pipeline status | head`)
+            report_bug()
+            ctx.exit(BUG_EXIT_CODE)
+
+
+def report_bug() -> None:
+    """The exception being handled is a bug, not an operational failure: its traceback,
+    then one line saying so, on stderr."""
+    traceback.print_exc()
+    click.echo(
+        "error: this is a bug in the pipeline, not a problem with its set-up; "
+        "please report it with the traceback above",
+        err=True,
+    )
 
 
 @contextlib.contextmanager

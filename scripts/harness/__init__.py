@@ -14,3 +14,9 @@ Scripts in scripts/ import it as `harness` (their own folder is first on the pat
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+class HarnessError(RuntimeError):
+    """The harness itself could not do something (set-up, a tool it runs): not a
+    finding about what it measures or checks. The benchmarks and the chaos runs share
+    it."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.broker import HarnessError
+from harness import HarnessError
 from harness.numbers import Padding, Rate
 from pipeline.core.config import KafkaSettings
 from pipeline.model.spec import ModelSpec

@@ -8,12 +8,9 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from harness import HarnessError
 from pipeline.core.config import KafkaSettings
 from pipeline.kafka import cluster
-
-
-class HarnessError(RuntimeError):
-    """A benchmark's set-up failed (not the thing measured)."""
 
 
 def new_topic(kafka: KafkaSettings, partitions: int = 1, prefix: str = "bench") -> str:

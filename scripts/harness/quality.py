@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.broker import HarnessError
+from harness import HarnessError
 from pipeline.model.precision import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_RECALL,

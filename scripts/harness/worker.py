@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.broker import HarnessError
+from harness import HarnessError
 from pipeline.core.config import KafkaSettings
 
 DONE = re.compile(
