@@ -6,11 +6,13 @@ For each micro-batch, in batch order:
              Parquet file and fsynced (`ParquetSink.stage`); a range covers
              every offset the consumer passed, records or not, so that
              consecutive segments of a partition tile its offsets;
-  2. dead-letter  its bad records are sent and flushed (`DeadLetterSink.send`);
+  2. dead-letter  its bad records that no earlier owner of the partition sent
+             are sent and flushed (consumers.dead_letters: each exactly once);
   3. publish each temp file is linked to its final name, create-if-absent, and
-             the directory fsynced, but only for partitions this worker still
-             owns in the epoch its records were polled in (`Ownership.owns`),
-             and only while the group still hears from this worker;
+             the directory fsynced. Steps 2 and 3 happen only for partitions this
+             worker still owns in the epoch its records were polled in
+             (`Ownership.owns`), only while the group has heard this worker
+             lately, and under the revocation's lock;
   4. commit  the offset past each published range is committed to Kafka, from
              the consumer thread, again only for partitions still owned. Commits
              are sent without waiting for the broker's answer (one out at a
@@ -47,6 +49,7 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.partitions import Ownership
 from pipeline.core.layout import TopicPartitionKey
+from pipeline.core.retry import Backoff, RetryGate
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,10 @@ _REBALANCING = (
     kerrors.IllegalGenerationError,
     kerrors.UnknownMemberIdError,
 )
+# What a commit may fail with and be retried: the cluster's errors, and no answer in
+# time. Anything else (a TypeError from the client, its network thread gone) is a bug
+# and is raised, not retried until the worker reports a cluster that does not answer.
+_RETRIED = (kerrors.KafkaError, TimeoutError)
 # A commit failing for another reason is told at its first failure, then this often.
 _WARN_EVERY_S = 30.0
 
@@ -105,17 +112,21 @@ class OffsetCommitter:
         self._consumer = consumer
         self._ownership = ownership
         self._timeout_ms = timeout_ms
-        self._retry_s = retry_s
         # The committed offset's metadata per partition (consumers.tiers: its tier).
         self._metadata = metadata
         self._pending: dict[TopicPartitionKey, tuple[int, int]] = {}
         self._opened: list[float] = []  # batches published since the last commit sent
         self._sent: _Sent | None = None
         self._last_try = float("-inf")
+        self._gate = RetryGate(Backoff(retry_s, factor=1.0))  # `retry_s` after the try
         self.committed: dict[TopicPartitionKey, int] = {}
         self.failures = 0
-        self.failing_since: float | None = None
         self._last_warned = float("-inf")
+
+    @property
+    def failing_since(self) -> float | None:
+        """When the commits' current streak of failures began (None: not failing)."""
+        return self._gate.failing_since
 
     def add(self, published: PublishedBatch) -> None:
         for key, offset in published.next_offsets.items():
@@ -149,7 +160,7 @@ class OffsetCommitter:
         acknowledged = self._answer(now, wait_s)
         if self._sent is not None or not self._pending:
             return acknowledged
-        if self.failing_since is not None and now - self._last_try < self._retry_s:
+        if not self._gate.ready(now):
             return acknowledged
         self._last_try = now
         offsets = self._owned_offsets()
@@ -157,7 +168,7 @@ class OffsetCommitter:
             return acknowledged
         try:
             future = self._consumer.commit_async(offsets=offsets)  # type: ignore[attr-defined]
-        except Exception as exc:  # no coordinator, closed client: retried
+        except kerrors.KafkaError as exc:  # no coordinator known yet, ...: retried
             self._failed(now, exc)
             return acknowledged
         sent = {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
@@ -197,11 +208,13 @@ class OffsetCommitter:
         else:
             error = None if sent.future.succeeded() else sent.future.exception
         self._sent = None
+        if error is not None and not isinstance(error, _RETRIED):
+            raise error
         if error is not None:
             self._opened = sent.opened_at + self._opened
             self._failed(now, error)
             return None
-        self.failing_since = None
+        self._gate.succeeded()
         for key, offset in sent.offsets.items():
             if offset > self.committed.get(key, -1):
                 self.committed[key] = offset
@@ -212,9 +225,8 @@ class OffsetCommitter:
     def _failed(self, now: float, exc: BaseException) -> None:
         # CommitFailed, RebalanceInProgress, broker restarts: retried
         self.failures += 1
-        first = self.failing_since is None
-        if first:
-            self.failing_since = now
+        first = self._gate.failing_since is None
+        self._gate.failed(now, tried_at=self._last_try)
         if isinstance(exc, _REBALANCING):
             # The group is rebalancing: expected, retried, and its one line is the
             # rebalance's own (consumers.partitions.RebalanceLog).

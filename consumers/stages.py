@@ -25,14 +25,15 @@ import numpy as np
 
 from consumers.batcher import MicroBatch, TopicPartitionKey
 from consumers.committer import PublishedBatch
+from consumers.dead_letters import DeadLetterLedger, Plan
 from consumers.partitions import InFlight, Ownership
+from pipeline.core import failpoints
 from pipeline.core.config import WorkerConfig
 from pipeline.core.errors import PipelineError
 from pipeline.core.host import release_free_memory
 from pipeline.core.layout import SegmentKey, is_local
 from pipeline.core.metrics import WorkerMetrics
 from pipeline.core.records import BadRecord, GoodRecord
-from pipeline.kafka.dead_letter import DeadLetterSink
 from pipeline.model.cache import EmbeddingCache, embed_cached
 from pipeline.model.embedder import Embedder, EmbedStats
 from sinks.compact_process import compact_in_child
@@ -42,6 +43,10 @@ from sinks.parquet import ParquetSink, StagedFile
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.1
+# The write stage sends dead letters and publishes only while the group has heard this
+# worker within this share of its session timeout: it stops well before the group can
+# give its partitions to another (consumers.dead_letters).
+LEASE = 2 / 3
 
 
 @dataclass
@@ -69,9 +74,8 @@ class Stage(threading.Thread):
                     self.idle()
                     continue
                 self.handle(item)
-        except BaseException as exc:  # surfaced to the poll loop, which exits non-zero
+        except BaseException as exc:  # handed to the poll loop (check_stages), which raises it
             self.error = exc
-            log.debug("stage %s failed", self.name, exc_info=True)
 
     def handle(self, item: object) -> None:
         raise NotImplementedError
@@ -170,7 +174,7 @@ class WriteStage(Stage):
         done: queue.Queue,
         stop: threading.Event,
         parquet: ParquetSink,
-        dead_letter: DeadLetterSink,
+        dead_letters: DeadLetterLedger,
         index: IndexStore,
         ownership: Ownership,
         metrics: WorkerMetrics,
@@ -180,7 +184,7 @@ class WriteStage(Stage):
         super().__init__("write", inbox, stop)
         self.done = done
         self.parquet = parquet
-        self.dead_letter = dead_letter
+        self.dead_letters = dead_letters
         self.index = index
         self.ownership = ownership
         self.in_flight = ownership.in_flight
@@ -226,24 +230,14 @@ class WriteStage(Stage):
 
     def write(self, embedded: EmbeddedBatch) -> PublishedBatch:
         batch = embedded.batch
-        staged = self._stage(batch, embedded.vectors)
         owned = self._owned(batch, set(batch.ranges))
-        # Dead letters first: once the files are published the offsets may be
-        # committed, and a bad record must be durable in its topic before that.
-        self.dead_letter.send([b for b in batch.bad if _key(b) in owned])
-        heard = self._wait_until_heard(batch, owned)
-        publish: set[TopicPartitionKey] = set()
-        with self.ownership.lock:
-            # Ownership may have changed meanwhile; this check and the publishes
-            # are atomic with respect to revoke().
-            for file in staged:
-                key = file.key.partition_key
-                if not (heard and key in owned and self.ownership.owns(key, batch.epochs[key])):
-                    self.parquet.discard(file)
-                elif self.parquet.publish(file):
-                    publish.add(key)
-                else:
-                    self._lost_race(batch, file)
+        # What earlier owners already dead-lettered is read first (once an ownership),
+        # and each segment records where the dead letters past it will lie.
+        plans = self.dead_letters.prepare(
+            batch.bad, {k: (batch.epochs[k], *batch.ranges[k]) for k in owned}
+        )
+        staged = self._stage(batch, embedded.vectors, plans)
+        publish = self._send_and_publish(batch, plans, staged)
         dropped = set(batch.ranges) - publish
         if dropped:
             log.info(
@@ -260,6 +254,40 @@ class WriteStage(Stage):
             dropped_partitions=dropped,
             opened_at=batch.opened_at,
         )
+
+    def _send_and_publish(
+        self, batch: MicroBatch, plans: dict[TopicPartitionKey, Plan], staged: list[StagedFile]
+    ) -> set[TopicPartitionKey]:
+        """Dead letters, then the segments, of the partitions this worker still owns
+        while the group hears it; returns the partitions published."""
+        while True:
+            heard = self._wait_until_heard(batch, set(plans))
+            with self.ownership.lock:
+                # Ownership may have changed meanwhile; this check, the dead letters and
+                # the publishes are atomic with respect to revoke().
+                keys = {k for k in plans if heard and self.ownership.owns(k, batch.epochs[k])}
+                if keys and not self.alive():
+                    continue  # the lease ran out while this waited for the lock
+                # Dead letters first: once the files are published the offsets may be
+                # committed, and a bad record must be durable in its topic before that.
+                self.dead_letters.send(plans, keys)
+                failpoints.pause("write.after_dead_letters")
+                return self._publish(batch, staged, keys)
+
+    def _publish(
+        self, batch: MicroBatch, staged: list[StagedFile], keys: set[TopicPartitionKey]
+    ) -> set[TopicPartitionKey]:
+        publish: set[TopicPartitionKey] = set()
+        for file in staged:
+            key = file.key.partition_key
+            if key not in keys:
+                self.parquet.discard(file)
+            elif self.parquet.publish(file):
+                publish.add(key)
+                self.dead_letters.published(key, batch.epochs[key], file.last)
+            else:
+                self._lost_race(batch, file)
+        return publish
 
     def _owned(self, batch: MicroBatch, keys: set[TopicPartitionKey]) -> set[TopicPartitionKey]:
         with self.ownership.lock:
@@ -293,9 +321,12 @@ class WriteStage(Stage):
         self.metrics.publish_conflicts.inc()
         self.ownership.fence(key, batch.epochs[key])
 
-    def _stage(self, batch: MicroBatch, vectors: np.ndarray) -> list[StagedFile]:
-        # A batch holds runs of one partition's records (a poll's, in order): grouped
-        # a run at a time, without a Python call a record.
+    def _stage(
+        self, batch: MicroBatch, vectors: np.ndarray, plans: dict[TopicPartitionKey, Plan]
+    ) -> list[StagedFile]:
+        """The segments of the partitions planned (the others are not owned any more).
+        A batch holds runs of one partition's records (a poll's, in order): grouped a run
+        at a time, without a Python call a record."""
         keys = list(map(_key, batch.good))
         by_partition: dict[TopicPartitionKey, list[int]] = defaultdict(list)
         for key, run in groupby(range(len(keys)), keys.__getitem__):
@@ -303,6 +334,8 @@ class WriteStage(Stage):
         bad = Counter(map(_key, batch.bad))
         staged = []
         for key, (first, last) in sorted(batch.ranges.items()):
+            if key not in plans:
+                continue
             rows = by_partition.get(key, [])
             records: list[GoodRecord] = list(map(batch.good.__getitem__, rows))
             staged.append(
@@ -313,6 +346,7 @@ class WriteStage(Stage):
                     vectors[rows],
                     consumed=len(rows) + bad.get(key, 0),
                     start=batch.start_notes.get(key),
+                    dead_letters=plans[key].mark,
                 )
             )
         return staged
@@ -373,21 +407,23 @@ def start_stages(
     embedder: Embedder,
     cache: EmbeddingCache | None,
     parquet: ParquetSink,
-    dead_letter: DeadLetterSink,
+    dead_letters: DeadLetterLedger,
     index: IndexStore,
     ownership: Ownership,
     metrics: WorkerMetrics,
     queues: tuple[queue.Queue, queue.Queue, queue.Queue],
     stop: threading.Event,
-    alive: Callable[[], bool],
+    heard_within: Callable[[float], bool],
 ) -> list[Stage]:
     """The embed and write stages (and compaction's, on a local output), started;
-    `queues`: the embed stage's inbox, the write stage's, and the published batches."""
+    `queues`: the embed stage's inbox, the write stage's, and the published batches;
+    `heard_within(s)`: whether the group heard this worker within s seconds."""
     embed_q, write_q, done_q = queues
     embed = EmbedStage(embed_q, write_q, stop, embedder, metrics, cache, ownership.in_flight)
+    lease_s = config.liveness.session_timeout_ms / 1000 * LEASE
     write = WriteStage(
-        write_q, done_q, stop, parquet, dead_letter, index, ownership, metrics,
-        config.storage.index_sync_interval_s, alive=alive,
+        write_q, done_q, stop, parquet, dead_letters, index, ownership, metrics,
+        config.storage.index_sync_interval_s, alive=lambda: heard_within(lease_s),
     )  # fmt: skip
     stages: list[Stage] = [embed, write]
     if config.storage.compact_interval_s > 0 and not is_local(config.output):
@@ -401,12 +437,11 @@ def start_stages(
 
 
 def check_stages(stages: list[Stage], stopping: threading.Event) -> None:
-    """Raises the first stage's failure as the poll loop's (one line where expected)."""
+    """Raises the first stage's failure in the poll loop, as it was: an expected one
+    (a PipelineError) stays one line, anything else is a bug and keeps the stage
+    thread's traceback."""
     for stage in stages:
         if stage.error is not None:
-            error = stage.error
-            if isinstance(error, PipelineError):
-                raise error
-            raise PipelineError(f"the {stage.name} stage failed: {error!r}") from error
+            raise stage.error
         if not stage.is_alive() and not stopping.is_set():
             raise PipelineError(f"the {stage.name} stage stopped unexpectedly")

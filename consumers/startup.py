@@ -146,4 +146,5 @@ def tokenizer_pool(
         parser,
         embedder.info.document_prompt or "",
         fast_path=tokenizer_choice() == "auto",
+        split_special_tokens=embedder.split_special_tokens,
     )

@@ -35,6 +35,7 @@ from consumers import repair, startup
 from consumers.batcher import CloseReason, MicroBatch
 from consumers.bulk import BulkEnd
 from consumers.committer import OffsetCommitter, PublishedBatch
+from consumers.dead_letters import DeadLetterLedger
 from consumers.flow import flow_control
 from consumers.partitions import Applied, Ownership, Reader, caught_up_with
 from consumers.stages import Stage, check_stages, start_stages
@@ -103,6 +104,7 @@ class Worker:
         self.dead_letter = DeadLetterSink(
             config.kafka, config.dead_letter_topic, timeout_s=config.liveness.broker_timeout_s
         )
+        self.dead_letters = DeadLetterLedger(self.dead_letter, config.output)
         self._stop_stages = threading.Event()
         self._write_q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._done_q: queue.Queue[PublishedBatch] = queue.Queue()
@@ -176,13 +178,13 @@ class Worker:
             self.embedder,
             self.cache,
             self.parquet,
-            self.dead_letter,
+            self.dead_letters,
             self.index,
             self.ownership,
             self.metrics,
             (self._embed_q, self._write_q, self._done_q),
             self._stop_stages,
-            alive=lambda: internals.heard_by_group(self._consumer),
+            heard_within=lambda s: internals.heard_within(self._consumer, s),
         )
         self.flow.attach(self._stages[0])
         try:
@@ -211,14 +213,16 @@ class Worker:
     def _tokenizer_takes(self, records: int) -> bool:
         """Whether the tokenizer process takes this poll's records: a full poll, or 256
         records or more, once it is ready."""
-        if self._tokenizer is None:
+        if self._tokenizer is None or records < min(
+            TOKENIZER_PROCESS_MIN_TEXTS, self.config.batching.batch_size
+        ):
             return False
-        if records < min(TOKENIZER_PROCESS_MIN_TEXTS, self.config.batching.batch_size):
+        try:
+            return self._tokenizer.ready()
+        except PipelineError as exc:  # it did not start (timed out, killed): tokenize here
+            log.warning("tokenizer process: off (%s); the poll loop tokenizes", exc)
+            self._tokenizer = None
             return False
-        if self._tokenizer.ready():
-            return True
-        self._tokenizer = None  # refused
-        return False
 
     def _repair(self, committed: dict[TopicPartition, int]) -> None:
         report = repair.repair_outputs(
@@ -466,18 +470,17 @@ class Worker:
 
     def _apply_rebalance(self, polled: dict[Any, list[Any]]) -> dict[Any, list[Any]]:
         """After each poll: whatever the group (or a lost publish race) changed.
-
-        Returns what the poll returned, less the records of every changed
-        partition: they were fetched from where kafka-python put the partition
-        (the group's commit, or the old position), not from where it now starts,
-        and are fetched again from there.
-        """
+        Returns what the poll returned, less the records of every changed partition:
+        they were fetched from where kafka-python put the partition (the group's
+        commit, or the old position), not from where it now starts, and are fetched
+        again from there."""
         assert self._reader is not None and self._committer is not None
         applied: Applied = self._reader.apply()
         if not applied.changed:
             return polled
         self.batcher.drop(applied.changed)
         self._committer.forget(applied.changed - set(applied.started))
+        self.dead_letters.started(applied.started, self._reader.epoch)
         for key, offset in applied.started.items():
             self.batcher.start(key, offset)
         for key, offset in applied.commit_to.items():
@@ -546,7 +549,7 @@ class Worker:
         try:
             self._collect_published()
             self._flush_commits(_FAILURE_COMMIT_WAIT_S)
-        except Exception as exc:  # the failure being raised matters more than this commit
+        except PipelineError as exc:  # the failure being raised matters more than this commit
             log.warning("committing published batches after the failure: %s", exc)
 
     def _close(self) -> None:

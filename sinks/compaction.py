@@ -240,7 +240,16 @@ def _write_merged(run: Run, path: Path) -> int:
     raw = {k.decode(): v.decode() for k, v in (first_schema.metadata or {}).items()}
     kept = {k: v for k, v in raw.items() if not k.startswith(META_PREFIX)}
     records = sum(info.records or 0 for info in run.sources)
-    meta = segment_metadata(run.first, run.last, records, f"compact:{WRITER}", run.sources[0].start)
+    # The run's first start note, and its last segment's dead-letter mark: the next owner
+    # of the partition reads dead letters from where the newest segment says.
+    meta = segment_metadata(
+        run.first,
+        run.last,
+        records,
+        f"compact:{WRITER}",
+        run.sources[0].start,
+        run.sources[-1].dead_letters,
+    )
     schema = first_schema.with_metadata({**kept, **meta})
     bytes_read = 0
     pending: list[pa.RecordBatch] = []

@@ -45,7 +45,7 @@ from pipeline.core.layout import (
 )
 from pipeline.core.model_info import ModelInfo
 from pipeline.core.records import GoodRecord
-from sinks.segments import segment_metadata
+from sinks.segments import DeadLetterMark, segment_metadata
 from sinks.vectors_swap import VectorsLock, fenced
 from sinks.writers import WRITER, hold_writer_lock, remove_stale_temp_files
 
@@ -153,9 +153,10 @@ class ParquetSink:
         vectors: np.ndarray,
         consumed: int,
         start: str | None = None,
+        dead_letters: DeadLetterMark | None = None,
     ) -> StagedFile:
         """Writes offsets key.first..last (`consumed` records, the good ones given) aside."""
-        metadata = segment_metadata(key.first, last, consumed, WRITER, start)
+        metadata = segment_metadata(key.first, last, consumed, WRITER, start, dead_letters)
         table = self._table(records, vectors, {**self._model_metadata, **metadata})
         if self.store is not None:
             buffer = pa.BufferOutputStream()

@@ -36,6 +36,33 @@ META_PREFIX = "segment."
 # How a partition's first segment came to start where it does, when that is not
 # where the partition (or the previous segment) ends: the user chose it.
 START_FROM_COMMITTED = "from-committed"
+DEAD_LETTERS_KEY = f"{META_PREFIX}dead_letters_from"
+
+
+@dataclass(frozen=True)
+class DeadLetterMark:
+    """Where in the dead-letter topic the dead letters of this segment's partition past
+    its last offset begin: every one of them lies at or after `offset` of `partition`
+    (consumers.dead_letters). The next owner reads from here what was sent already."""
+
+    topic: str
+    partition: int
+    offset: int
+
+    def to_text(self) -> str:
+        return json.dumps({"topic": self.topic, "partition": self.partition, "offset": self.offset})
+
+    @classmethod
+    def from_text(cls, text: str | None) -> DeadLetterMark | None:
+        """The mark in a footer; None when absent (older writers) or unreadable."""
+        if not text:
+            return None
+        try:
+            data = json.loads(text)
+            return cls(str(data["topic"]), int(data["partition"]), int(data["offset"]))
+        except (ValueError, TypeError, KeyError):
+            log.warning("segment metadata %s=%r is unreadable; ignored", DEAD_LETTERS_KEY, text)
+            return None
 
 
 @dataclass(frozen=True)
@@ -46,6 +73,7 @@ class SegmentInfo:
     rows: int
     records: int | None  # records consumed in the range, good and bad (None: legacy file)
     start: str | None = None
+    dead_letters: DeadLetterMark | None = None
 
     @property
     def dead_lettered(self) -> int | None:
@@ -62,7 +90,12 @@ class DamagedSegment(OutputError):
 
 
 def segment_metadata(
-    first: int, last: int, records: int, writer: str, start: str | None = None
+    first: int,
+    last: int,
+    records: int,
+    writer: str,
+    start: str | None = None,
+    dead_letters: DeadLetterMark | None = None,
 ) -> dict[str, str]:
     meta = {
         f"{META_PREFIX}first_offset": str(first),
@@ -72,6 +105,8 @@ def segment_metadata(
     }
     if start is not None:
         meta[f"{META_PREFIX}start"] = start
+    if dead_letters is not None:
+        meta[DEAD_LETTERS_KEY] = dead_letters.to_text()
     return meta
 
 
@@ -132,7 +167,9 @@ def info_from_metadata(
     if first != segment.key.first or last < first:
         raise DamagedSegment(segment, f"metadata range {first}..{last} does not match its name")
     records = int(raw.get(f"{META_PREFIX}records", rows))
-    return SegmentInfo(segment, first, last, rows, records, raw.get(f"{META_PREFIX}start"))
+    start = raw.get(f"{META_PREFIX}start")
+    mark = DeadLetterMark.from_text(raw.get(DEAD_LETTERS_KEY))
+    return SegmentInfo(segment, first, last, rows, records, start, mark)
 
 
 def read_rows(segment: SegmentFile, columns: Sequence[str]) -> tuple[pa.Table, SegmentInfo]:
@@ -166,6 +203,19 @@ def covered_through(segments: Sequence[SegmentFile]) -> int | None:
     newest = max(segments, key=lambda s: s.key.first)
     last = last_offset(newest)
     return last if high is None else max(high, last)
+
+
+def segment_before(segments: Sequence[SegmentFile], offset: int) -> SegmentInfo | None:
+    """The segment that ends right before `offset` (None: none does, or it cannot be read)."""
+    earlier = [s for s in segments if s.key.first < offset]
+    if not earlier:
+        return None
+    newest = max(earlier, key=lambda s: s.key.first)
+    try:
+        info = read_info(newest)
+    except (DamagedSegment, FileNotFoundError):
+        return None
+    return info if info.last == offset - 1 else None
 
 
 # --------------------------------------------------------------------------- quarantine

@@ -234,6 +234,7 @@ def write_segment(
     records: int | None = None,
     start: str | None = None,
     legacy: bool = False,
+    dead_letters: Any = None,
 ) -> Path:
     """A segment as workers write it: rows at `offsets` (default: every offset of the range).
 
@@ -260,7 +261,7 @@ def write_segment(
         path = directory / f"{topic}-p{partition:05d}-{first:020d}-{last:020d}.parquet"
     else:
         count = len(rows) if records is None else records
-        meta = segment_metadata(first, last, count, "tests", start)
+        meta = segment_metadata(first, last, count, "tests", start, dead_letters)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
         path = directory / SegmentKey(topic, partition, first).filename
     pq.write_table(table, path)

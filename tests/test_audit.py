@@ -227,10 +227,11 @@ def test_doubled_rows_across_files_and_row_plus_dead_letter(tmp_path: Path) -> N
     assert result.coverage.overlaps == ((5, 7),)
 
 
-def test_dead_letter_repeats_alone_do_not_fail(tmp_path: Path) -> None:
+def test_a_bad_record_dead_lettered_twice_fails_the_audit(tmp_path: Path) -> None:
     write_segment(tmp_path, "t", 0, 0, 4, [0, 1, 2], records=5)
     result = account(tmp_path, 5, FakeKafka(range(5)), dead_letters=offsets(3, 3, 4))
-    assert result.ok and result.dead_letter_repeats == [(3, 3)] and result.dead_lettered == 2
+    assert result.dead_letter_repeats == [(3, 3)] and result.dead_lettered == 2
+    assert not result.ok and result.missing == [] and result.doubled == []
 
 
 def test_offsets_below_the_log_start_are_unverifiable_not_missing(tmp_path: Path) -> None:
@@ -316,6 +317,7 @@ def test_render_audit_lists_problems_and_the_verdict() -> None:
             "dead_lettered": 1,
             "missing": 10,
             "doubled": 1,
+            "dead_letter_repeats": 2,
             "unverifiable": 0,
             "damaged_files": 1,
         },
@@ -339,6 +341,7 @@ def test_render_audit_lists_problems_and_the_verdict() -> None:
     assert "damaged: /o/vectors/x.parquet (truncated)" in lines
     assert "warning: something odd" in lines
     assert lines[-1].startswith("audit FAILED") and "10 missing" in lines[-1]
+    assert "2 dead-lettered twice" in lines[-1]
 
 
 # --------------------------------------------------------------------------- integration

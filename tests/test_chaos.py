@@ -1,8 +1,9 @@
 """The chaos harness (scripts/chaos): its check on synthetic outputs, and a few seeds
 against a real broker of its own (not the shared one on 9092).
 
-The seeded runs cover the three riskiest operations: several workers starting at
-the same moment, a worker stalled past its session timeout, and a broker restart.
+The seeded runs cover the riskiest operations: several workers starting at the same
+moment, a worker stalled past its session timeout, a broker restart, and workers
+killed or stalled between a batch's dead letters and its publish.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from chaos import check, cli, common, plans, records  # noqa: E402
 CHAOS_PORT = int(os.environ.get("PIPELINE_CHAOS_TEST_PORT", "19192"))
 # Seed i runs scenario i (the plans are short ones): four workers starting at once with a
 # SIGKILL and a join; three workers, one SIGSTOPped past the session timeout; a broker
-# restart while workers run and another one during the --until-end run.
-CHAOS_SEEDS = "9,8,11"
-CHAOS_SCENARIOS = "together,stall,broker-restart"
+# restart while workers run and another one during the --until-end run; one record in
+# eight bad with SIGKILLs and a stall landing between dead letters and publish.
+CHAOS_SEEDS = "9,8,11,1"
+CHAOS_SCENARIOS = "together,stall,broker-restart,dead-letters"
 
 
 def _good(text: str) -> bytes:
@@ -135,12 +137,12 @@ def test_chaos_seeds_lose_and_double_nothing(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1200,
     )
     report = done.stdout + done.stderr
     assert done.returncode == 0, report
     summary = json.loads(report.split("summary: ", 1)[1].splitlines()[0])
-    assert summary["seeds"] == 3 and summary["passed"] == 3, report
+    assert summary["seeds"] == 4 and summary["passed"] == 4, report
     assert summary["lost"] == summary["doubled"] == summary["phantom"] == 0, report
     scenarios = {r["scenario"] for r in json.loads(results.read_text())["results"]}
     assert scenarios == set(CHAOS_SCENARIOS.split(","))

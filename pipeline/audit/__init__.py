@@ -22,9 +22,9 @@ the group's committed offset, and offsets below that segment are not its
 responsibility (`checked_from`).
 
 DOUBLED: an offset in two rows (in one file or across files), or in a row and
-in the dead-letter topic. The same offset dead-lettered twice (a crash between
-the dead-letter flush and the segment publish) is a dead-letter *repeat*:
-reported, but it does not fail the audit.
+in the dead-letter topic. The same offset dead-lettered twice is a dead-letter
+*repeat*, listed on its own and failing the audit too: each bad record is in the
+dead-letter topic exactly once (consumers.dead_letters).
 
 This package also holds the segment coverage check that `pipeline status
 --output` uses (`output_coverage`): from the footers alone, do the segments of

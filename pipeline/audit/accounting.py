@@ -51,7 +51,7 @@ class PartitionAudit:
 
     @property
     def ok(self) -> bool:
-        return not self.missing and not self.doubled
+        return not self.missing and not self.doubled and not self.dead_letter_repeats
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -94,5 +94,6 @@ def _verdict_line(report: Mapping[str, Any]) -> str:
         f"{head}: group {report['group']}, {totals['partitions']} partition(s), "
         f"{totals['rows']} rows, {totals['dead_lettered']} dead-lettered, "
         f"{totals['missing']} missing, {totals['doubled']} doubled, "
+        f"{totals['dead_letter_repeats']} dead-lettered twice, "
         f"{totals['unverifiable']} unverifiable, {totals['damaged_files']} damaged file(s)"
     )

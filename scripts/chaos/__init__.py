@@ -18,16 +18,20 @@ Each seed runs one scenario on its own topic, group and output directory:
    running workers, sometimes through a broker restart) (`seeds`);
 4. check the outputs independently of the worker (`check`): every committed record
    of the topic (read with a read_committed consumer) is in exactly one Parquet
-   row, or, if it is a bad record, in the dead-letter topic; no row or dead letter
+   row, or, if it is a bad record, exactly once in the dead-letter topic (counted
+   per source offset); no row or dead letter
    names an offset that holds no committed record (aborted records, transaction
    markers); the FAISS index holds every row once; the group's commits reach the
    end. `pipeline audit` runs too, and its verdict is compared with this one.
 
-Scenarios (by default seed N runs the ((N-1) mod 9)th): together, join, sigkill,
+Scenarios (by default seed N runs the ((N-1) mod 10)th): together, join, sigkill,
 stall, broker-restart, foreign, storm (a random mix), slow-batches (a slower
-random model and long texts, so that rebalances find batches in flight) and
-damage. Workers embed with scripts/tiny_model.py's random models, so that a run's
-time goes to Kafka and to the worker's protocol, not to the model.
+random model and long texts, so that rebalances find batches in flight), damage
+and dead-letters (one record in eight bad, a worker stalled past its session
+timeout, others SIGKILLed, each worker pausing between a batch's dead letters and
+its publish so that the signals land there: each bad record exactly once in the
+dead-letter topic). Workers embed with scripts/tiny_model.py's random models, so
+that a run's time goes to Kafka and to the worker's protocol, not to the model.
 
 The harness runs its own broker (scripts/dev-kafka.sh with another port and home),
 so it never disturbs the shared one on 9092:

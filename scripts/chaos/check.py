@@ -164,7 +164,7 @@ class Verdict:
     phantom: list[tuple[int, int]] = field(default_factory=list)
     misrouted: list[tuple[int, int]] = field(default_factory=list)  # good dead-lettered, bad rows
     mismatched: list[tuple[int, int]] = field(default_factory=list)  # row text != record text
-    dead_letter_repeats: int = 0  # informational (a crash between flush and publish)
+    dead_letter_repeats: int = 0  # a bad record in the dead-letter topic more than once
     other_topics: int = 0  # rows naming another topic
     bad_vectors: int = 0  # embeddings not finite or not unit length
     unreadable: list[str] = field(default_factory=list)  # damaged segments still in vectors/
@@ -180,6 +180,7 @@ class Verdict:
             or self.phantom
             or self.misrouted
             or self.mismatched
+            or self.dead_letter_repeats
             or any(self.index.values())
             or self.commits_short
             or self.other_topics
@@ -193,6 +194,8 @@ class Verdict:
             keys = getattr(self, name)
             if keys:
                 found.append(f"{name} {len(keys)}: {ranges(keys)}")
+        if self.dead_letter_repeats:
+            found.append(f"dead letters sent more than once: {self.dead_letter_repeats}")
         found += [f"index {k} {v}" for k, v in self.index.items() if v]
         if self.commits_short:
             found.append(f"commits short of the end: {self.commits_short}")

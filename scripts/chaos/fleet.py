@@ -106,6 +106,9 @@ class WorkerSettings:
     poll_timeout_ms: int
     max_in_flight: int
     index_sync_interval_s: float
+    # consumers.stages' pauses (pipeline.core.failpoints), e.g. between a batch's dead
+    # letters and its publish, for signals to land in.
+    failpoints: str = ""
 
 
 class Fleet:
@@ -137,6 +140,7 @@ class Fleet:
             TOKENIZERS_PARALLELISM="false",
             PYTHONUNBUFFERED="1",
             OMP_NUM_THREADS="1",
+            PIPELINE_FAILPOINTS=self.settings.failpoints,
         )
         return env
 

@@ -57,6 +57,18 @@ class Plan:
     fresh_broker: bool = False  # wiped before the seed: the first group operations wait
 
     @property
+    def bad_ratio(self) -> float:
+        """The share of bad records published: one in eight where dead letters are the test."""
+        return 0.125 if self.scenario == "dead-letters" else 0.03
+
+    @property
+    def failpoints(self) -> str:
+        """Pauses the workers make (pipeline.core.failpoints): where dead letters are the
+        test, half a second between a batch's dead letters and its publish, the window a
+        SIGKILL or a stall must hit to send a dead letter twice."""
+        return "write.after_dead_letters=0.5" if self.scenario == "dead-letters" else ""
+
+    @property
     def slow(self) -> bool:
         """The slow model and long texts: batches take seconds, rebalances find them."""
         return self.scenario == "slow-batches"
@@ -165,6 +177,19 @@ def scenario_storm(rng: random.Random) -> list[Step]:
     return steps
 
 
+def scenario_dead_letters(rng: random.Random) -> list[Step]:
+    """One record in eight bad; a worker stalled past its session timeout and resumed,
+    others SIGKILLed at random instants: each bad record once in the dead-letter topic."""
+    steps = [Step("start", rng.randint(2, 3)), Step("ready"), Step("sleep", _u(rng, 0.5, 3))]
+    for n in range(rng.randint(4, 6)):
+        if n == 1:
+            steps.append(_stall(rng))
+        steps += [Step("kill"), Step("join", 1), Step("sleep", _u(rng, 0.3, 4))]
+        if rng.random() < 0.4:
+            steps.append(Step("publish", rng.randint(100, 300)))
+    return [*steps, Step("sleep", _u(rng, 2, 5))]
+
+
 SCENARIOS: dict[str, Callable[[random.Random], list[Step]]] = {
     "together": scenario_together,
     "join": scenario_join,
@@ -175,6 +200,7 @@ SCENARIOS: dict[str, Callable[[random.Random], list[Step]]] = {
     "storm": scenario_storm,
     "slow-batches": scenario_slow,
     "damage": scenario_damage,
+    "dead-letters": scenario_dead_letters,
 }
 
 

@@ -125,6 +125,7 @@ class Target:
     topic: str
     partitions: int
     long_texts: bool = False
+    bad_ratio: float = 0.03  # the share of bad records (plans.Plan.bad_ratio)
 
 
 def publish_python(
@@ -133,13 +134,12 @@ def publish_python(
     ids: Ids,
     count: int,
     published: Published,
-    bad_ratio: float = 0.03,
 ) -> str:
     """Publishes `count` records with kafka-python and one random codec; returns the codec."""
     from kafka import KafkaProducer
 
     codec = rng.choice(CODECS)
-    items = make_items(rng, ids, count, bad_ratio, target.long_texts)
+    items = make_items(rng, ids, count, target.bad_ratio, target.long_texts)
     spread = rng.choice(["round-robin", "random", "one"])
     partitions, topic = target.partitions, target.topic
     producer = KafkaProducer(

@@ -111,7 +111,9 @@ class SeedRun:
         self.published = Published()
         self.ids = Ids(seed)
         self.java_ids = JavaIds()
-        self.target = Target(broker.bootstrap, self.topic, self.partitions, self.plan.slow)
+        self.target = Target(
+            broker.bootstrap, self.topic, self.partitions, self.plan.slow, self.plan.bad_ratio
+        )
         if self.plan.slow:
             model = ensure_tiny_model(variant="slow")
         self.fleet = Fleet(self._worker_settings(model), self.dir / "logs", self.events)
@@ -142,6 +144,7 @@ class SeedRun:
             poll_timeout_ms=rng.choice([100, 250, 500]),
             max_in_flight=rng.choice([1, 2, 2, 3]),
             index_sync_interval_s=rng.choice([1.0, 5.0, 30.0]),
+            failpoints=self.plan.failpoints,
         )
 
     # -- the run ---------------------------------------------------------------------------
