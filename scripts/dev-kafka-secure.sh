@@ -30,11 +30,7 @@ KAFKA_HOME="${PIPELINE_KAFKA_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/embedding-pip
 LIBS="$KAFKA_HOME/libs"
 BASE="${PIPELINE_KAFKA_SECURE_PORT:-9192}"
 CACHE="${PIPELINE_KAFKA_SECURE_HOME:-$KAFKA_HOME/secure-$BASE}"
-DATA="$CACHE/data"
-LOGS="$CACHE/logs"
 TLS="$CACHE/tls"
-PIDFILE="$CACHE/kafka.pid"
-START_TIMEOUT_S="${PIPELINE_KAFKA_START_TIMEOUT_S:-120}"
 
 PLAIN_PORT=$BASE
 SASL_PORT=$((BASE + 1))
@@ -50,22 +46,10 @@ DENIED_PASSWORD=mallory-dev-pw-2b9d
 STORE_PASSWORD=broker-store-pw-41fa
 KEY_PASSWORD=client-key-pw-5d03
 
-die() { echo "dev-kafka-secure: $*" >&2; exit 1; }
-
-take_lock() {
-  command -v flock >/dev/null || return 0
-  mkdir -p "$CACHE"
-  exec 9>"$CACHE/.lock"
-  flock -w 600 9 || die "another dev-kafka-secure.sh held $CACHE/.lock for 10 minutes"
-}
-
-port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-
-running_pid() {
-  [[ -f "$PIDFILE" ]] || return 1
-  local pid; pid="$(cat "$PIDFILE")"
-  kill -0 "$pid" 2>/dev/null && echo "$pid"
-}
+NAME=dev-kafka-secure HEAP_MIN=128m HEAP=512m
+ready_port() { echo "$SASL_SSL_PORT"; }
+# shellcheck source=kafka/broker.sh
+source "$HERE/kafka/broker.sh"
 
 fetch() {
   [[ -f "$LIBS/.complete" ]] && return 0
@@ -120,29 +104,16 @@ jaas() {
 }
 
 write_config() {
-  mkdir -p "$DATA" "$LOGS"
+  write_log_config
   local listener
   {
+    common_properties
     cat <<PROPS
-process.roles=broker,controller
-node.id=1
 controller.quorum.voters=1@127.0.0.1:$CONTROLLER_PORT
 listeners=INTERNAL://127.0.0.1:$PLAIN_PORT,SASL://127.0.0.1:$SASL_PORT,TLS://127.0.0.1:$SSL_PORT,MTLS://127.0.0.1:$MTLS_PORT,SASLTLS://127.0.0.1:$SASL_SSL_PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
 advertised.listeners=INTERNAL://127.0.0.1:$PLAIN_PORT,SASL://127.0.0.1:$SASL_PORT,TLS://localhost:$SSL_PORT,MTLS://localhost:$MTLS_PORT,SASLTLS://localhost:$SASL_SSL_PORT
-controller.listener.names=CONTROLLER
 inter.broker.listener.name=INTERNAL
 listener.security.protocol.map=CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,SASL:SASL_PLAINTEXT,TLS:SSL,MTLS:SSL,SASLTLS:SASL_SSL
-log.dirs=$DATA
-num.partitions=1
-auto.create.topics.enable=false
-offsets.topic.replication.factor=1
-offsets.topic.num.partitions=4
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-log.retention.hours=24
 # ACLs: the broker itself (PLAINTEXT and SSL without a client certificate are
 # ANONYMOUS), alice and the mutual-TLS client may do anything; mallory nothing.
 authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
@@ -164,38 +135,14 @@ PROPS
     done
   } > "$CACHE/server.properties"
   chmod 600 "$CACHE/server.properties"
-  cat > "$CACHE/log4j2.properties" <<PROPS
-status = warn
-appender.file.type = File
-appender.file.name = file
-appender.file.fileName = $LOGS/server.log
-appender.file.layout.type = PatternLayout
-appender.file.layout.pattern = [%d] %p %m (%c)%n
-rootLogger.level = INFO
-rootLogger.appenderRef.file.ref = file
-logger.kafka.name = kafka
-logger.kafka.level = INFO
-logger.state.name = state.change.logger
-logger.state.level = WARN
-PROPS
-}
-
-java_run() {
-  java -Xms128m -Xmx512m -XX:+UseG1GC -Djava.awt.headless=true \
-       -Dlog4j2.configurationFile="$CACHE/log4j2.properties" \
-       -cp "$LIBS/*" "$@"
 }
 
 # SCRAM credentials go into the metadata log at format time (KRaft has no ZooKeeper
 # to hold them); PLAIN users are in the listeners' JAAS lines above.
-format_storage() {
-  [[ -f "$DATA/meta.properties" ]] && return 0
-  local cluster_id
-  cluster_id="$(java_run kafka.tools.StorageTool random-uuid)"
-  java_run kafka.tools.StorageTool format -t "$cluster_id" -c "$CACHE/server.properties" \
+format_scram() {
+  format_storage \
       --add-scram "SCRAM-SHA-512=[name=$SASL_USER,password=$PASSWORD]" \
-      --add-scram "SCRAM-SHA-512=[name=$DENIED_USER,password=$DENIED_PASSWORD]" >/dev/null \
-    || die "formatting KRaft storage in $DATA failed"
+      --add-scram "SCRAM-SHA-512=[name=$DENIED_USER,password=$DENIED_PASSWORD]"
 }
 
 start() {
@@ -212,36 +159,9 @@ start() {
   fetch
   make_tls
   write_config
-  format_storage
-  : > "$LOGS/server.log"
-  nohup java -Xms128m -Xmx512m -XX:+UseG1GC -Djava.awt.headless=true \
-       -Dlog4j2.configurationFile="$CACHE/log4j2.properties" \
-       -cp "$LIBS/*" kafka.Kafka "$CACHE/server.properties" \
-       > "$LOGS/stdout.log" 2>&1 < /dev/null 9>&- &
-  echo $! > "$PIDFILE"
-  wait_ready "$!"
+  format_scram
+  launch
   echo "dev-kafka-secure: Apache Kafka $KAFKA_VERSION ready on 127.0.0.1:$PLAIN_PORT-$SASL_SSL_PORT (pid $(cat "$PIDFILE"), logs in $LOGS)"
-}
-
-wait_ready() {
-  local pid="$1" deadline=$((SECONDS + START_TIMEOUT_S))
-  until port_open "$SASL_SSL_PORT" && grep -q "Kafka Server started" "$LOGS/server.log" 2>/dev/null; do
-    kill -0 "$pid" 2>/dev/null || { tail -n 30 "$LOGS/stdout.log" "$LOGS/server.log" >&2; die "broker exited during start-up (logs in $LOGS)"; }
-    (( SECONDS < deadline )) || die "broker did not answer within ${START_TIMEOUT_S}s (logs in $LOGS)"
-    sleep 0.5
-  done
-}
-
-stop() {
-  local pid
-  if ! pid="$(running_pid)"; then
-    rm -f "$PIDFILE"; echo "dev-kafka-secure: not running"; return 0
-  fi
-  kill "$pid"
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
-  rm -f "$PIDFILE"
-  echo "dev-kafka-secure: stopped (pid $pid)"
 }
 
 status() {
