@@ -161,6 +161,7 @@ def plan(spec: ModelSpec) -> dict[str, Any]:
         "pooling": stack.pooling.label,
         "include_prompt": stack.pooling.include_prompt,
         "normalized": stack.normalized,
+        "similarity": stack.similarity,
         "dimensions": spec.dim,
         "model_dimensions": stack.output_dimension,
         "max_length": spec.max_length,
@@ -169,6 +170,7 @@ def plan(spec: ModelSpec) -> dict[str, Any]:
         "document_prompt": spec.prompts.document,
         "query_prompt": spec.prompts.query,
         "weights": spec.revision,
+        "tokenizer": spec.tokenizer_fingerprint,
         "identity": spec.identity,
     }
 
@@ -177,7 +179,7 @@ def render_plan(values: dict[str, Any]) -> list[str]:
     encoder = values["encoder"] + (f" ({values['encoder_note']})" if values["encoder_note"] else "")
     dims = f"{values['dimensions']}"
     if values["dimensions"] != values["model_dimensions"]:
-        dims += f" (Matryoshka: the first of {values['model_dimensions']})"
+        dims += f" (Matryoshka: the first of {values['model_dimensions']}, not normalised again)"
     modules = values["modules"] + ("" if values["modules_declared"] else " (no modules.json)")
     rows = [
         ("model", f"{values['model']} ({values['path']})"),
@@ -185,15 +187,24 @@ def render_plan(values: dict[str, Any]) -> list[str]:
         ("encoder", encoder),
         ("modules", modules),
         ("pooling", values["pooling"] + ("" if values["include_prompt"] else ", prompt excluded")),
-        ("normalised", "yes (L2)" if values["normalized"] else "no"),
+        ("normalised", _normalised(values)),
+        ("similarity", f"{values['similarity']} (search ranks by it)"),
         ("dimensions", dims),
         ("max length", f"{values['max_length']} tokens"),
         ("lower-cased", "yes" if values["lower_case"] else "as the tokenizer does"),
         ("prompts", f"document {values['document_prompt']!r}, query {values['query_prompt']!r}"),
         ("weights", values["weights"]),
+        ("tokenizer", values["tokenizer"]),
         ("identity", values["identity"]),
     ]
     return [f"{name:<13}{value}" for name, value in rows]
+
+
+def _normalised(values: dict[str, Any]) -> str:
+    if not values["normalized"]:
+        return "no"
+    cut = values["dimensions"] != values["model_dimensions"]
+    return "yes (L2), before the cut, as truncate_dim does" if cut else "yes (L2)"
 
 
 def reference_available() -> bool:
