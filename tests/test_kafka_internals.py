@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from types import SimpleNamespace
 
 import kafka
@@ -22,8 +23,8 @@ from tests.helpers import worker_args, worker_env
 # Every private part the worker relies on, as the refusal names it.
 INTERNALS = (
     "_coordinator.heartbeat.session_timeout_expired",
-    "_coordinator.heartbeat.last_receive",
-    "_coordinator.heartbeat.last_reset",
+    "_coordinator.heartbeat.last_send",
+    "_coordinator.heartbeat.received_heartbeat",
     "_coordinator.need_rejoin",
     "_fetcher._paused_partition_records",
     "_fetcher._next_partition_records",
@@ -39,9 +40,31 @@ def test_the_pinned_release_has_every_internal_the_pipeline_touches() -> None:
         assert internals.missing(consumer) == []
         internals.check(consumer)  # refuses nothing
         assert internals.heard_by_group(consumer)  # never joined: nothing expired
-        assert internals.heard_within(consumer, 60.0)  # the clock starts at creation
+        internals.track_heartbeats(consumer)
+        assert not internals.heard_within(consumer, 60.0)  # no heartbeat answered yet
         assert internals.rejoining(consumer) is False  # not subscribed: no group to join
         assert internals.unpark_resumed(consumer) is False  # nothing parked
+    finally:
+        consumer.close(autocommit=False, timeout_ms=100)
+
+
+def test_the_lease_counts_from_when_the_answered_heartbeat_was_sent() -> None:
+    """A worker stopped past its session timeout reads, as it resumes, the answer to a
+    heartbeat it sent before the stop, and finds the coordinator again (which resets
+    kafka-python's session clock): neither renews its lease."""
+    consumer = KafkaConsumer(bootstrap_servers="127.0.0.1:1", api_version=(3, 0))
+    try:
+        internals.track_heartbeats(consumer)
+        heartbeat = consumer._coordinator.heartbeat
+        heartbeat.sent_heartbeat()
+        heartbeat.received_heartbeat()
+        assert internals.heard_within(consumer, 1.0)
+        heartbeat.sent_heartbeat()
+        heartbeat.last_send = time.monotonic() - 10.0  # sent, then stopped for 10 s
+        heartbeat.received_heartbeat()  # its answer read after the stop
+        heartbeat.reset_timeouts()  # the coordinator found again
+        assert not internals.heard_within(consumer, 4.0)
+        assert internals.heard_within(consumer, 11.0)
     finally:
         consumer.close(autocommit=False, timeout_ms=100)
 
@@ -49,7 +72,7 @@ def test_the_pinned_release_has_every_internal_the_pipeline_touches() -> None:
 def complete_consumer() -> SimpleNamespace:
     """Stands for a consumer with every part (the real one is the test above's)."""
     heartbeat = SimpleNamespace(
-        session_timeout_expired=lambda: False, last_receive=0.0, last_reset=0.0
+        session_timeout_expired=lambda: False, last_send=0.0, received_heartbeat=lambda: None
     )
     return SimpleNamespace(
         _coordinator=SimpleNamespace(heartbeat=heartbeat, need_rejoin=lambda: False),

@@ -8,10 +8,10 @@ naming each part and what it serves, never run without it.
 
 - `Fetcher.PartitionRecords`: replaced by the batch decoder (record_batches, which
   refuses a kafka-python whose code it does not mirror itself).
-- `consumer._coordinator.heartbeat.session_timeout_expired()`, `.last_receive` and
-  `.last_reset`: whether and when the group last heard this member (a writer that
-  has not been heard for a session stops publishing: consumers.stages; the
-  dead-letter lease: consumers.dead_letters).
+- `consumer._coordinator.heartbeat.session_timeout_expired()`, `.last_send` and
+  `.received_heartbeat()`: whether and when the group last heard this member (the
+  lease under which the write stage sends dead letters and publishes:
+  consumers.stages, consumers.dead_letters).
 - `consumer._fetcher._paused_partition_records` and `._next_partition_records`:
   records parked for a paused partition (priority tiers: `unpark_resumed`).
 - `consumer._coordinator.need_rejoin()`: whether the group is rebalancing and this
@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 # What each private part serves, as the refusal names it.
 _FEATURES = {
     "_coordinator.heartbeat.session_timeout_expired": "the stall guard",
-    "_coordinator.heartbeat.last_receive": "the dead-letter lease",
-    "_coordinator.heartbeat.last_reset": "the dead-letter lease",
+    "_coordinator.heartbeat.last_send": "the publish lease",
+    "_coordinator.heartbeat.received_heartbeat": "the publish lease",
     "_coordinator.need_rejoin": "the rebalance log line",
     "_fetcher._paused_partition_records": "priority tiers",
     "_fetcher._next_partition_records": "priority tiers",
@@ -61,9 +61,10 @@ def missing(consumer: Any) -> list[str]:
     heartbeat = getattr(coordinator, "heartbeat", None)
     if not callable(getattr(heartbeat, "session_timeout_expired", None)):
         absent.append("_coordinator.heartbeat.session_timeout_expired")
-    for name in ("last_receive", "last_reset"):
-        if not isinstance(getattr(heartbeat, name, None), float):
-            absent.append(f"_coordinator.heartbeat.{name}")
+    if not isinstance(getattr(heartbeat, "last_send", None), float):
+        absent.append("_coordinator.heartbeat.last_send")
+    if not callable(getattr(heartbeat, "received_heartbeat", None)):
+        absent.append("_coordinator.heartbeat.received_heartbeat")
     if not callable(getattr(coordinator, "need_rejoin", None)):
         absent.append("_coordinator.need_rejoin")
     fetcher = getattr(consumer, "_fetcher", None)
@@ -90,24 +91,34 @@ def unsupported(what: str) -> SetupError:
 
 
 def heard_by_group(consumer: Any) -> bool:
-    """False once no heartbeat got through for a whole session timeout (True where
-    this kafka-python cannot tell: publishing then relies on ownership and the
-    create-if-absent alone)."""
-    heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
-    expired = getattr(heartbeat, "session_timeout_expired", None)
-    return expired is None or not expired()
+    """False once no heartbeat got through for a whole session timeout."""
+    return not consumer._coordinator.heartbeat.session_timeout_expired()
+
+
+def track_heartbeats(consumer: Any) -> None:
+    """Records, as each heartbeat is answered, when that heartbeat was sent (kafka-python
+    keeps only when an answer was read, and `last_reset` moves when the coordinator is
+    found again, as after a stall: neither says when the group last heard this member).
+    One heartbeat is out at a time, so `last_send` is the answered one's send time."""
+    heartbeat = consumer._coordinator.heartbeat
+    answered = heartbeat.received_heartbeat
+    heartbeat.pipeline_heard_at = float("-inf")
+
+    def received() -> None:
+        heartbeat.pipeline_heard_at = heartbeat.last_send
+        answered()
+
+    heartbeat.received_heartbeat = received
 
 
 def heard_within(consumer: Any, seconds: float) -> bool:
-    """Whether the group heard this member (a heartbeat answered, or a join) within
-    `seconds`: the lease under which the write stage sends dead letters and publishes
-    (consumers.dead_letters). Without the heartbeat's clock, `heard_by_group`."""
-    heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
-    received = getattr(heartbeat, "last_receive", None)
-    reset = getattr(heartbeat, "last_reset", None)
-    if not isinstance(received, float) or not isinstance(reset, float):
-        return heard_by_group(consumer)
-    return time.monotonic() - max(received, reset) <= seconds
+    """Whether a heartbeat the group answered was sent within `seconds`: the lease under
+    which the write stage sends dead letters and publishes (consumers.dead_letters).
+    The coordinator counts a session from when it got the heartbeat, after it was
+    sent, so it cannot have given this member's partitions away before
+    `seconds` + (session timeout - `seconds`) have passed. Needs `track_heartbeats`."""
+    heard = consumer._coordinator.heartbeat.pipeline_heard_at
+    return time.monotonic() - heard <= seconds
 
 
 def rejoining(consumer: Any) -> bool:
