@@ -1,9 +1,11 @@
 """Every bad record exactly once in the dead-letter topic.
 
 Unit tests drive the ledger (consumers/dead_letters.py) against an in-memory
-topic; the integration tests run real workers against the real broker after a
-previous owner dead-lettered records and died before publishing them, and end
-with an independent count of the dead-letter topic per source offset.
+topic; the integration test runs real workers against the real broker after a
+previous owner dead-lettered records and died before publishing them, and ends
+with an independent count of the dead-letter topic per source offset. Workers
+SIGKILLed and stalled between a batch's dead letters and its publish are the chaos
+scenario `dead-letters` (tests/test_chaos.py runs a seed of it).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -32,7 +33,6 @@ from tests.helpers import (
     publish_raw,
     read_topic,
     run_until_end,
-    start_worker,
     write_segment,
 )
 
@@ -292,51 +292,6 @@ def make_topic_named(broker: str, name: str, partitions: int = 1) -> None:
         admin.create_topics([NewTopic(name, partitions, 1)])
     finally:
         admin.close()
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_kill_9_and_a_stall_with_bad_records_leave_each_dead_letter_once(
-    broker, make_topic, group_id, tmp_path, tiny_model
-):
-    """One record in eight bad; a worker SIGKILLed at random instants six times, another
-    SIGSTOPped past its session timeout and resumed; then --until-end. Every bad record
-    is in the dead-letter topic exactly once, every good one in exactly one row."""
-    topic = make_topic(partitions=3)
-    items = _items(1500, seed=3)
-    publish_raw(broker, topic, items, partitions=3)
-    out = tmp_path / "out"
-    options = (
-        "--batch-size", "16", "--poll-timeout-ms", "100", "--session-timeout-ms", "6000",
-        "--model", tiny_model,
-    )  # fmt: skip
-    rng = random.Random(11)
-    stalled = start_worker(broker, topic, group_id, out, *options, log=tmp_path / "stalled.log")
-    for n in range(6):
-        proc = start_worker(broker, topic, group_id, out, *options, log=tmp_path / f"k{n}.log")
-        time.sleep(rng.uniform(3.0, 6.0))
-        if n == 1:
-            stalled.send_signal(signal.SIGSTOP)
-        if n == 4:
-            stalled.send_signal(signal.SIGCONT)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    stalled.send_signal(signal.SIGCONT)
-    stalled.send_signal(signal.SIGTERM)
-    stalled.wait(timeout=120)
-
-    result = run_until_end(broker, topic, group_id, out, *options, timeout=600)
-
-    assert result.returncode == 0, result.stderr[-3000:]
-    bad_positions = _bad_positions(items, 3)
-    counts = _dead_letter_counts(broker, topic)
-    assert [k for k, n in counts.items() if n > 1] == []
-    assert set(counts) == bad_positions
-    rows = output_rows(out)
-    assert duplicates(rows) == []
-    assert {(p, o) for _, p, o in rows} == {
-        (n % 3, n // 3) for n in range(len(items))
-    } - bad_positions
 
 
 def test_failpoints_pause_where_named_and_refuse_unknown_names(monkeypatch) -> None:
