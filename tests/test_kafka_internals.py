@@ -5,6 +5,7 @@ line naming what is missing."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import threading
 import time
@@ -26,6 +27,7 @@ INTERNALS = (
     "_coordinator.heartbeat.last_send",
     "_coordinator.heartbeat.received_heartbeat",
     "_coordinator.need_rejoin",
+    "_coordinator._on_join_complete_async",
     "_fetcher._paused_partition_records",
     "_fetcher._next_partition_records",
     "_fetcher.PartitionRecords",
@@ -69,13 +71,50 @@ def test_the_lease_counts_from_when_the_answered_heartbeat_was_sent() -> None:
         consumer.close(autocommit=False, timeout_ms=100)
 
 
+def test_an_answer_of_rebalance_in_progress_does_not_renew_the_lease() -> None:
+    consumer = KafkaConsumer(bootstrap_servers="127.0.0.1:1", api_version=(3, 0), group_id="g")
+    try:
+        consumer.subscribe(["t"])
+        internals.track_heartbeats(consumer)
+        coordinator = consumer._coordinator
+        coordinator.rejoin_needed, coordinator._joined_subscription = False, {"t"}  # joined
+        coordinator.heartbeat.sent_heartbeat()
+        coordinator.heartbeat.received_heartbeat()  # an ordinary answer renews it
+        assert internals.heard_within(consumer, 60.0)
+        heartbeat = coordinator.heartbeat
+        heartbeat.pipeline_heard_at = float("-inf")
+        coordinator.request_rejoin()  # what kafka-python does on RebalanceInProgress
+        coordinator.heartbeat.sent_heartbeat()
+        coordinator.heartbeat.received_heartbeat()  # ... and then counts it as heard
+        assert not internals.heard_within(consumer, 60.0)
+    finally:
+        consumer.close(autocommit=False, timeout_ms=100)
+
+
+def test_a_join_after_missed_generations_is_told() -> None:
+    joined: list[int] = []
+
+    async def join_complete(generation: int, *args: object) -> None:
+        joined.append(generation)
+
+    consumer = SimpleNamespace(_coordinator=SimpleNamespace(_on_join_complete_async=join_complete))
+    missed: list[tuple[int, int]] = []
+    internals.watch_joins(consumer, lambda last, now: missed.append((last, now)))
+    for generation in (3, 4, 5, 9, 10):
+        asyncio.run(consumer._coordinator._on_join_complete_async(generation, "m", "p", b""))
+    assert joined == [3, 4, 5, 9, 10]  # kafka-python's own handling goes on
+    assert missed == [(5, 9)]
+
+
 def complete_consumer() -> SimpleNamespace:
     """Stands for a consumer with every part (the real one is the test above's)."""
     heartbeat = SimpleNamespace(
         session_timeout_expired=lambda: False, last_send=0.0, received_heartbeat=lambda: None
     )
     return SimpleNamespace(
-        _coordinator=SimpleNamespace(heartbeat=heartbeat, need_rejoin=lambda: False),
+        _coordinator=SimpleNamespace(
+            heartbeat=heartbeat, need_rejoin=lambda: False, _on_join_complete_async=lambda: None
+        ),
         _fetcher=SimpleNamespace(
             _paused_partition_records={}, _next_partition_records=None, PartitionRecords=object
         ),
