@@ -142,21 +142,6 @@ class Ownership:
                 self._epochs[key] = self._new_epoch()
         self._events.put(Event(Change.ASSIGNED, keys))
 
-    def rejoined_after_missing(self, last: int, now: int) -> None:
-        """The group went through generations without this worker (consumers.startup
-        watches the joins): everything it still owns starts anew, read again from
-        where the outputs end, as if just assigned; nothing polled before is published."""
-        owned = self.owned()
-        if owned:
-            log.warning(
-                "rejoined the group at generation %d after missing those since %d: "
-                "reading %s again from where the outputs end",
-                now,
-                last,
-                " ".join(f"{t}[{p}]" for t, p in sorted(owned)),
-            )
-            self.assigned(owned)
-
     def revoked(self, keys: Iterable[TopicPartitionKey], lost: bool) -> None:
         """After this returns, nothing more is published for these partitions."""
         keys = frozenset(keys)

@@ -119,7 +119,7 @@ def make_consumer(
     record_batches.install(consumer)
     internals.check(consumer)
     internals.track_heartbeats(consumer)  # the write stage's lease (consumers.stages)
-    internals.watch_joins(consumer, ownership.rejoined_after_missing)
+    internals.lose_partitions_on_reset(consumer)
     consumer.subscribe(list(cfg.topics), listener=Listener(ownership, revoke_timeout_s))
     # A metadata refresh before the first poll: kafka-python snapshots the
     # subscribed topics' partitions on metadata updates, and a first join with

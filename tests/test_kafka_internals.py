@@ -27,7 +27,8 @@ INTERNALS = (
     "_coordinator.heartbeat.last_send",
     "_coordinator.heartbeat.received_heartbeat",
     "_coordinator.need_rejoin",
-    "_coordinator._on_join_complete_async",
+    "_coordinator.reset_generation",
+    "_coordinator.rejoining",
     "_fetcher._paused_partition_records",
     "_fetcher._next_partition_records",
     "_fetcher.PartitionRecords",
@@ -71,39 +72,45 @@ def test_the_lease_counts_from_when_the_answered_heartbeat_was_sent() -> None:
         consumer.close(autocommit=False, timeout_ms=100)
 
 
-def test_an_answer_of_rebalance_in_progress_does_not_renew_the_lease() -> None:
+class Lost(kafka.ConsumerRebalanceListener):
+    def __init__(self) -> None:
+        self.lost: list[set[kafka.TopicPartition]] = []
+
+    def on_partitions_revoked(self, revoked: object) -> None:
+        pass
+
+    def on_partitions_assigned(self, assigned: object) -> None:
+        pass
+
+    def on_partitions_lost(self, lost: set[kafka.TopicPartition]) -> None:
+        self.lost.append(set(lost))
+
+
+def test_a_member_dropped_while_rejoining_gives_up_its_partitions_before_it_joins() -> None:
+    # A stalled worker resumes, prepares to rejoin (no loss yet: its generation still
+    # looks valid), and its JoinGroup is answered UnknownMemberId: the retry must not
+    # claim the old partitions, and the listener must hear they were lost.
+    from kafka.coordinator.base import Generation
+
     consumer = KafkaConsumer(bootstrap_servers="127.0.0.1:1", api_version=(3, 0), group_id="g")
     try:
-        consumer.subscribe(["t"])
-        internals.track_heartbeats(consumer)
+        listener = Lost()
+        consumer.subscribe(["t"], listener=listener)
+        internals.lose_partitions_on_reset(consumer)
         coordinator = consumer._coordinator
-        coordinator.rejoin_needed, coordinator._joined_subscription = False, {"t"}  # joined
-        coordinator.heartbeat.sent_heartbeat()
-        coordinator.heartbeat.received_heartbeat()  # an ordinary answer renews it
-        assert internals.heard_within(consumer, 60.0)
-        heartbeat = coordinator.heartbeat
-        heartbeat.pipeline_heard_at = float("-inf")
-        coordinator.request_rejoin()  # what kafka-python does on RebalanceInProgress
-        coordinator.heartbeat.sent_heartbeat()
-        coordinator.heartbeat.received_heartbeat()  # ... and then counts it as heard
-        assert not internals.heard_within(consumer, 60.0)
+        owned = kafka.TopicPartition("t", 0)
+        consumer._subscription.assign_from_subscribed([owned])
+        coordinator._generation = Generation(5, "m", "cooperative-sticky")
+        coordinator.rejoining = True  # join-prepare ran for this attempt
+
+        coordinator.reset_generation()  # what the UnknownMemberId answer does
+
+        assert coordinator.rejoining is False  # so the retry runs join-prepare again
+        asyncio.run(coordinator._on_join_prepare_async(-1, "", timeout_ms=100))
+        assert listener.lost == [{owned}]
+        assert consumer.assignment() == set()  # nothing claimed in the next JoinGroup
     finally:
         consumer.close(autocommit=False, timeout_ms=100)
-
-
-def test_a_join_after_missed_generations_is_told() -> None:
-    joined: list[int] = []
-
-    async def join_complete(generation: int, *args: object) -> None:
-        joined.append(generation)
-
-    consumer = SimpleNamespace(_coordinator=SimpleNamespace(_on_join_complete_async=join_complete))
-    missed: list[tuple[int, int]] = []
-    internals.watch_joins(consumer, lambda last, now: missed.append((last, now)))
-    for generation in (3, 4, 5, 9, 10):
-        asyncio.run(consumer._coordinator._on_join_complete_async(generation, "m", "p", b""))
-    assert joined == [3, 4, 5, 9, 10]  # kafka-python's own handling goes on
-    assert missed == [(5, 9)]
 
 
 def complete_consumer() -> SimpleNamespace:
@@ -113,7 +120,10 @@ def complete_consumer() -> SimpleNamespace:
     )
     return SimpleNamespace(
         _coordinator=SimpleNamespace(
-            heartbeat=heartbeat, need_rejoin=lambda: False, _on_join_complete_async=lambda: None
+            heartbeat=heartbeat,
+            need_rejoin=lambda: False,
+            reset_generation=lambda: None,
+            rejoining=False,
         ),
         _fetcher=SimpleNamespace(
             _paused_partition_records={}, _next_partition_records=None, PartitionRecords=object

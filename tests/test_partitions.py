@@ -217,31 +217,6 @@ def test_a_fence_stops_publishing_and_restarts_where_the_outputs_now_end(
     assert reader.apply().changed == set()
 
 
-def test_a_rejoin_after_missed_generations_restarts_what_is_kept_from_the_outputs(
-    world, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # A worker stalled while the group rebalanced without it; kafka-python hands its
-    # partition back on the rejoin without telling the listener it was ever lost.
-    consumer, ownership, reader = world
-    assign(consumer, ownership, 0)
-    reader.apply()
-    polled_in = reader.epoch((T, 0))
-    consumer.positions[TopicPartition(T, 0)] = 200
-    publish(tmp_path, 0, 0, 99)  # the owner meanwhile wrote these
-
-    ownership.rejoined_after_missing(4, 7)
-
-    with ownership.lock:
-        assert not ownership.owns((T, 0), polled_in)  # nothing polled before is published
-    assert reader.apply().started == {(T, 0): 100}
-    assert consumer.positions[TopicPartition(T, 0)] == 100
-    assert "after missing those since 4" in caplog.text
-    revoke(consumer, ownership, 0)
-    reader.apply()
-    ownership.rejoined_after_missing(9, 12)  # with nothing owned: nothing to do
-    assert reader.apply().changed == set()
-
-
 def test_a_damaged_last_segment_is_moved_aside_and_read_again(world, tmp_path: Path) -> None:
     consumer, ownership, reader = world
     publish(tmp_path, 0, 0, 9)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +47,9 @@ _FEATURES = {
     "_coordinator.heartbeat.session_timeout_expired": "the stall guard",
     "_coordinator.heartbeat.last_send": "the publish lease",
     "_coordinator.heartbeat.received_heartbeat": "the publish lease",
-    "_coordinator.need_rejoin": "the rebalance log line and the publish lease",
-    "_coordinator._on_join_complete_async": "missed rebalances (consumers.partitions)",
+    "_coordinator.need_rejoin": "the rebalance log line",
+    "_coordinator.reset_generation": "partitions lost when the group drops this member",
+    "_coordinator.rejoining": "partitions lost when the group drops this member",
     "_fetcher._paused_partition_records": "priority tiers",
     "_fetcher._next_partition_records": "priority tiers",
     "_fetcher.PartitionRecords": "the batch decoder",
@@ -68,8 +69,10 @@ def missing(consumer: Any) -> list[str]:
         absent.append("_coordinator.heartbeat.received_heartbeat")
     if not callable(getattr(coordinator, "need_rejoin", None)):
         absent.append("_coordinator.need_rejoin")
-    if not callable(getattr(coordinator, "_on_join_complete_async", None)):
-        absent.append("_coordinator._on_join_complete_async")
+    if not callable(getattr(coordinator, "reset_generation", None)):
+        absent.append("_coordinator.reset_generation")
+    if not isinstance(getattr(coordinator, "rejoining", None), bool):
+        absent.append("_coordinator.rejoining")
     fetcher = getattr(consumer, "_fetcher", None)
     for name in ("_paused_partition_records", "_next_partition_records", "PartitionRecords"):
         if not hasattr(fetcher, name):
@@ -102,21 +105,38 @@ def track_heartbeats(consumer: Any) -> None:
     """Records, as each heartbeat is answered, when that heartbeat was sent (kafka-python
     keeps only when an answer was read, and `last_reset` moves when the coordinator is
     found again, as after a stall: neither says when the group last heard this member).
-    One heartbeat is out at a time, so `last_send` is the answered one's send time.
-    An answer of RebalanceInProgress (which kafka-python counts as heard, having asked
-    to rejoin) does not count: the group may be settling without this member's
-    partitions, and ownership is known again only once it has rejoined."""
-    coordinator = consumer._coordinator
-    heartbeat = coordinator.heartbeat
+    One heartbeat is out at a time, so `last_send` is the answered one's send time."""
+    heartbeat = consumer._coordinator.heartbeat
     answered = heartbeat.received_heartbeat
     heartbeat.pipeline_heard_at = float("-inf")
 
     def received() -> None:
-        if not coordinator.need_rejoin():
-            heartbeat.pipeline_heard_at = heartbeat.last_send
+        heartbeat.pipeline_heard_at = heartbeat.last_send
         answered()
 
     heartbeat.received_heartbeat = received
+
+
+def lose_partitions_on_reset(consumer: Any) -> None:
+    """Makes a member the group dropped give up its partitions before it joins again.
+
+    kafka-python runs join-prepare, where a member whose generation was reset calls
+    `on_partitions_lost` and forgets its partitions, once per rebalance attempt. A
+    reset during the attempt (JoinGroup or SyncGroup answered UnknownMemberId or
+    IllegalGeneration, as for a worker stalled past its session timeout) skips it:
+    the member rejoins claiming its old partitions at generation -1, and the sticky
+    assignor may hand them back as kept though another member owned them meanwhile,
+    with no callback, so batches polled before the stall would still be published.
+    Java's consumer forgets them on the reset (KAFKA-13419); here join-prepare runs
+    again, which takes kafka-python's own lost path."""
+    coordinator = consumer._coordinator
+    reset = coordinator.reset_generation
+
+    def reset_generation(*args: Any, **kwargs: Any) -> None:
+        reset(*args, **kwargs)
+        coordinator.rejoining = False
+
+    coordinator.reset_generation = reset_generation
 
 
 def heard_within(consumer: Any, seconds: float) -> bool:
@@ -127,27 +147,6 @@ def heard_within(consumer: Any, seconds: float) -> bool:
     `seconds` + (session timeout - `seconds`) have passed. Needs `track_heartbeats`."""
     heard = consumer._coordinator.heartbeat.pipeline_heard_at
     return time.monotonic() - heard <= seconds
-
-
-def watch_joins(consumer: Any, missed: Callable[[int, int], None]) -> None:
-    """Calls `missed(last, now)` when this member completes a join into a generation
-    that is not the one after its last: the group rebalanced at least once without it
-    (a stall, a session that expired while it waited to rejoin), so what it still
-    believes it owns may have had another owner meanwhile. kafka-python then goes on
-    with those partitions (the sticky assignor hands them back, warning "assigned to
-    multiple consumers") without telling the listener they were lost."""
-    coordinator = consumer._coordinator
-    join_complete = coordinator._on_join_complete_async
-    last: int | None = None
-
-    async def completed(generation: int, *args: Any, **kwargs: Any) -> Any:
-        nonlocal last
-        if last is not None and generation != last + 1:
-            missed(last, generation)
-        last = generation
-        return await join_complete(generation, *args, **kwargs)
-
-    coordinator._on_join_complete_async = completed
 
 
 def rejoining(consumer: Any) -> bool:
