@@ -250,14 +250,7 @@ class ObjectStore:
 
         def create(body: Body) -> bool:
             try:
-                self._client.put_object(
-                    Bucket=self.bucket,
-                    Key=full,
-                    Body=body.rewind(),
-                    ContentLength=body.size,
-                    ContentMD5=body.md5,
-                    IfNoneMatch="*",
-                )
+                self._put_object(full, body, IfNoneMatch="*")
                 return True
             except ClientError as exc:
                 status, code = _status_and_code(exc)
@@ -285,13 +278,18 @@ class ObjectStore:
         """Writes `key` (replacing any object there)."""
         full = self.full_key(key)
         with self._translated("write", full), Body(data) as body:
-            self._client.put_object(
-                Bucket=self.bucket,
-                Key=full,
-                Body=body.rewind(),
-                ContentLength=body.size,
-                ContentMD5=body.md5,
-            )
+            self._put_object(full, body)
+
+    def _put_object(self, full: str, body: Body, **conditions: str) -> None:
+        """One PUT of `body` (from its start, with its MD5, which the store checks)."""
+        self._client.put_object(
+            Bucket=self.bucket,
+            Key=full,
+            Body=body.rewind(),
+            ContentLength=body.size,
+            ContentMD5=body.md5,
+            **conditions,
+        )
 
     def delete(self, key: str) -> None:
         """Deletes `key`; no error when it does not exist."""
