@@ -23,7 +23,6 @@ from tests.helpers import worker_args, worker_env
 
 # Every private part the worker relies on, as the refusal names it.
 INTERNALS = (
-    "_coordinator.heartbeat.session_timeout_expired",
     "_coordinator.heartbeat.last_send",
     "_coordinator.heartbeat.received_heartbeat",
     "_coordinator.need_rejoin",
@@ -42,7 +41,6 @@ def test_the_pinned_release_has_every_internal_the_pipeline_touches() -> None:
     try:
         assert internals.missing(consumer) == []
         internals.check(consumer)  # refuses nothing
-        assert internals.heard_by_group(consumer)  # never joined: nothing expired
         internals.track_heartbeats(consumer)
         assert not internals.heard_within(consumer, 60.0)  # no heartbeat answered yet
         assert internals.rejoining(consumer) is False  # not subscribed: no group to join
@@ -115,9 +113,7 @@ def test_a_member_dropped_while_rejoining_gives_up_its_partitions_before_it_join
 
 def complete_consumer() -> SimpleNamespace:
     """Stands for a consumer with every part (the real one is the test above's)."""
-    heartbeat = SimpleNamespace(
-        session_timeout_expired=lambda: False, last_send=0.0, received_heartbeat=lambda: None
-    )
+    heartbeat = SimpleNamespace(last_send=0.0, received_heartbeat=lambda: None)
     return SimpleNamespace(
         _coordinator=SimpleNamespace(
             heartbeat=heartbeat,
@@ -221,7 +217,7 @@ def test_a_worker_on_a_release_without_one_refuses_to_start(
     (sitecustomize): one error line naming it, exit 78, nothing embedded."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(
-        "from kafka.coordinator.heartbeat import Heartbeat\ndel Heartbeat.session_timeout_expired\n"
+        "from kafka.coordinator.heartbeat import Heartbeat\ndel Heartbeat.received_heartbeat\n"
     )
     env = {**worker_env(broker), "PYTHONPATH": str(tmp_path / "site")}
     topic = make_topic(partitions=1)
@@ -229,5 +225,5 @@ def test_a_worker_on_a_release_without_one_refuses_to_start(
     result = subprocess.run([*args, "--until-end"], env=env, capture_output=True, text=True)
     assert result.returncode == SetupError.exit_code, result.stderr
     [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert "_coordinator.heartbeat.session_timeout_expired (the stall guard)" in line
+    assert "_coordinator.heartbeat.received_heartbeat (the publish lease)" in line
     assert "Traceback" not in result.stderr

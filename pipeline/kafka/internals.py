@@ -8,10 +8,11 @@ naming each part and what it serves, never run without it.
 
 - `Fetcher.PartitionRecords`: replaced by the batch decoder (record_batches, which
   refuses a kafka-python whose code it does not mirror itself).
-- `consumer._coordinator.heartbeat.session_timeout_expired()`, `.last_send` and
-  `.received_heartbeat()`: whether and when the group last heard this member (the
-  lease under which the write stage sends dead letters and publishes:
-  consumers.stages, consumers.dead_letters).
+- `consumer._coordinator.heartbeat.last_send` and `.received_heartbeat()`: when the
+  group last heard this member (the lease under which the write stage sends dead
+  letters and publishes: consumers.stages, consumers.dead_letters).
+- `consumer._coordinator.reset_generation()` and `.rejoining`: a member the group
+  dropped while rejoining gives up its partitions first (`lose_partitions_on_reset`).
 - `consumer._fetcher._paused_partition_records` and `._next_partition_records`:
   records parked for a paused partition (priority tiers: `unpark_resumed`).
 - `consumer._coordinator.need_rejoin()`: whether the group is rebalancing and this
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 
 # What each private part serves, as the refusal names it.
 _FEATURES = {
-    "_coordinator.heartbeat.session_timeout_expired": "the stall guard",
     "_coordinator.heartbeat.last_send": "the publish lease",
     "_coordinator.heartbeat.received_heartbeat": "the publish lease",
     "_coordinator.need_rejoin": "the rebalance log line",
@@ -61,8 +61,6 @@ def missing(consumer: Any) -> list[str]:
     absent = []
     coordinator = getattr(consumer, "_coordinator", None)
     heartbeat = getattr(coordinator, "heartbeat", None)
-    if not callable(getattr(heartbeat, "session_timeout_expired", None)):
-        absent.append("_coordinator.heartbeat.session_timeout_expired")
     if not isinstance(getattr(heartbeat, "last_send", None), float):
         absent.append("_coordinator.heartbeat.last_send")
     if not callable(getattr(heartbeat, "received_heartbeat", None)):
@@ -94,11 +92,6 @@ def unsupported(what: str) -> SetupError:
         f"install the release the pipeline is pinned to: "
         f"pip install kafka-python=={record_batches.MIRRORED_RELEASE}"
     )
-
-
-def heard_by_group(consumer: Any) -> bool:
-    """False once no heartbeat got through for a whole session timeout."""
-    return not consumer._coordinator.heartbeat.session_timeout_expired()
 
 
 def track_heartbeats(consumer: Any) -> None:
