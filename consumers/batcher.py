@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.core.documents import Deletion, Keyed
 from pipeline.core.records import BadRecord, GoodRecord
 from pipeline.model.embedder import TokenIds, Tokenized
 
@@ -42,6 +43,8 @@ class CloseReason(enum.Enum):
 class MicroBatch:
     good: list[GoodRecord] = field(default_factory=list)
     bad: list[BadRecord] = field(default_factory=list)
+    # Upsert mode's tombstones (pipeline.core.documents): rows, never embedded.
+    deleted: list[Deletion] = field(default_factory=list)
     token_ids: list[TokenIds] = field(default_factory=list)
     tokens: int = 0
     value_bytes: int = 0  # of the records' values, good and bad
@@ -56,7 +59,7 @@ class MicroBatch:
     number: int = field(default_factory=lambda: next(_batch_numbers))
 
     def __len__(self) -> int:
-        return len(self.good) + len(self.bad)
+        return len(self.good) + len(self.bad) + len(self.deleted)
 
     def tokenized(self) -> Tokenized:
         lengths = np.fromiter((len(t) for t in self.token_ids), np.int64, len(self.token_ids))
@@ -76,12 +79,14 @@ class MicroBatch:
         keep = [i for i, r in enumerate(self.good) if _key(r) not in dropped]
         good = [self.good[i] for i in keep]
         bad = [b for b in self.bad if _key(b) not in dropped]
+        deleted = [d for d in self.deleted if _key(d) not in dropped]
         return MicroBatch(
             good=good,
             bad=bad,
+            deleted=deleted,
             token_ids=[self.token_ids[i] for i in keep],
             tokens=sum(len(self.token_ids[i]) for i in keep),
-            value_bytes=sum(map(_size, good)) + sum(map(_size, bad)),
+            value_bytes=sum(map(_size, good)) + sum(map(_size, bad)),  # a deletion has none
             ranges={k: v for k, v in self.ranges.items() if k not in dropped},
             epochs={k: v for k, v in self.epochs.items() if k not in dropped},
             start_notes={k: v for k, v in self.start_notes.items() if k not in dropped},
@@ -92,11 +97,11 @@ class MicroBatch:
         )
 
 
-def _key(record: GoodRecord | BadRecord) -> TopicPartitionKey:
+def _key(record: Keyed) -> TopicPartitionKey:
     return (record.source.topic, record.source.partition)
 
 
-def _size(record: GoodRecord | BadRecord) -> int:
+def _size(record: Keyed) -> int:
     return len(record.source.value or b"")
 
 
@@ -145,7 +150,7 @@ class Batcher:
 
     def add(
         self,
-        parsed: Iterable[tuple[GoodRecord | BadRecord, TokenIds | None]],
+        parsed: Iterable[tuple[Keyed, TokenIds | None]],
         epoch_of: Callable[[TopicPartitionKey], int],
     ) -> list[MicroBatch]:
         """Adds records (good ones with their token ids); returns the batches that closed.
@@ -165,7 +170,7 @@ class Batcher:
 
     def _fill(
         self,
-        pairs: list[tuple[GoodRecord | BadRecord, TokenIds | None]],
+        pairs: list[tuple[Keyed, TokenIds | None]],
         start: int,
         epoch_of: Callable[[TopicPartitionKey], int],
     ) -> tuple[int, CloseReason | None]:
@@ -177,6 +182,7 @@ class Batcher:
         max_bytes = self.max_bytes if self.max_bytes is not None else float("inf")
         count, tokens, value_bytes = len(batch), batch.tokens, batch.value_bytes
         good, bad, token_ids = batch.good, batch.bad, batch.token_ids
+        deleted = batch.deleted
         run: list = [None, -1, 0, 0]  # topic, partition, first and last offset of a run
         reason: CloseReason | None = None
         index = start
@@ -196,6 +202,8 @@ class Batcher:
                 good.append(record)  # type: ignore[arg-type]
                 token_ids.append(ids)
                 tokens += n_tokens
+            elif type(record) is Deletion:
+                deleted.append(record)
             else:
                 bad.append(record)  # type: ignore[arg-type]
             count += 1

@@ -28,6 +28,7 @@ import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 
 from pipeline.core.config import KafkaSettings, WorkerConfig
+from pipeline.core.documents import Deletion, Keyed
 from pipeline.core.errors import OutputError, PipelineError
 from pipeline.core.host import call_on_fresh_thread
 from pipeline.core.layout import (
@@ -151,11 +152,14 @@ def _repair(
             )
             return _close(config, note, "lost")
         sources = read_range(reader, config.kafka, tp, note.first, last)
-    parsed = [parser.parse(s) for s in sources]
+    parsed: list[Keyed] = [parser.parse(s) for s in sources]
+    if sink.documents is not None:
+        parsed = sink.documents.keyed(parsed)  # type: ignore[arg-type]
     good = [p for p in parsed if isinstance(p, GoodRecord)]
+    deletions = [p for p in parsed if isinstance(p, Deletion)]
     # A thread of its own, like the model load: the embed stage keeps the only OpenMP team.
     vectors = call_on_fresh_thread(lambda: embedder.embed([g.text for g in good]), "repair")
-    staged = sink.stage(key, last, good, vectors, consumed=len(sources))
+    staged = sink.stage(key, last, good, vectors, consumed=len(sources), deletions=deletions)
     published = sink.publish(staged)
     log.warning(
         "damaged segment %s: %s[%d] offsets %d..%d read again from Kafka and %s (%d rows)",

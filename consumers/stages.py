@@ -29,16 +29,18 @@ from consumers.dead_letters import DeadLetterLedger, Plan
 from consumers.partitions import InFlight, Ownership
 from pipeline.core import failpoints
 from pipeline.core.config import WorkerConfig
+from pipeline.core.documents import Deletion, Keyed
 from pipeline.core.errors import PipelineError
 from pipeline.core.host import release_free_memory
 from pipeline.core.layout import SegmentKey, is_local
 from pipeline.core.metrics import WorkerMetrics
-from pipeline.core.records import BadRecord, GoodRecord
+from pipeline.core.records import GoodRecord
 from pipeline.model.cache import EmbeddingCache, embed_cached
 from pipeline.model.embedder import Embedder, EmbedStats
 from sinks.compact_process import compact_in_child
 from sinks.index.store import IndexStore
 from sinks.parquet import ParquetSink, StagedFile
+from sinks.view import ViewStore
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +334,9 @@ class WriteStage(Stage):
         for key, run in groupby(range(len(keys)), keys.__getitem__):
             by_partition[key].extend(run)
         bad = Counter(map(_key, batch.bad))
+        deleted: dict[TopicPartitionKey, list[Deletion]] = defaultdict(list)
+        for deletion in batch.deleted:
+            deleted[_key(deletion)].append(deletion)
         staged = []
         for key, (first, last) in sorted(batch.ranges.items()):
             if key not in plans:
@@ -344,18 +349,17 @@ class WriteStage(Stage):
                     last,
                     records,
                     vectors[rows],
-                    consumed=len(rows) + bad.get(key, 0),
+                    consumed=len(rows) + len(deleted.get(key, ())) + bad.get(key, 0),
                     start=batch.start_notes.get(key),
                     dead_letters=plans[key].mark,
+                    deletions=deleted.get(key, ()),
                 )
             )
         return staged
 
 
 # A record's (topic, partition); an attrgetter, so that map() needs no Python call.
-_key: Callable[[GoodRecord | BadRecord], TopicPartitionKey] = attrgetter(
-    "source.topic", "source.partition"
-)
+_key: Callable[[Keyed], TopicPartitionKey] = attrgetter("source.topic", "source.partition")
 
 
 class CompactStage(Stage):
@@ -402,6 +406,35 @@ class CompactStage(Stage):
             )
 
 
+class ViewStage(Stage):
+    """Applies published segments to the current view every `interval_s` (upsert mode:
+    sinks.view), off the write path, so that a slow apply never holds a publish."""
+
+    def __init__(self, view: ViewStore, stop: threading.Event, interval_s: float) -> None:
+        super().__init__("view", queue.Queue(maxsize=1), stop)
+        self.view = view
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def handle(self, item: object) -> None:  # nothing is ever queued here
+        raise AssertionError(f"unexpected item {item!r}")
+
+    def idle(self) -> None:
+        if time.monotonic() - self._last < self.interval_s:
+            return
+        self._last = time.monotonic()
+        if self.view.sync():
+            stats = self.view.last_sync
+            log.debug(
+                "view: %d rows applied (%d upserted, %d deleted) in %d commit(s), %.3fs",
+                stats.applied_rows,
+                stats.upserted,
+                stats.deleted,
+                stats.commits,
+                stats.seconds,
+            )
+
+
 def start_stages(
     config: WorkerConfig,
     embedder: Embedder,
@@ -414,6 +447,7 @@ def start_stages(
     queues: tuple[queue.Queue, queue.Queue, queue.Queue],
     stop: threading.Event,
     heard_within: Callable[[float], bool],
+    view: ViewStore | None = None,
 ) -> list[Stage]:
     """The embed and write stages (and compaction's, on a local output), started;
     `queues`: the embed stage's inbox, the write stage's, and the published batches;
@@ -426,6 +460,8 @@ def start_stages(
         config.storage.index_sync_interval_s, alive=lambda: heard_within(lease_s),
     )  # fmt: skip
     stages: list[Stage] = [embed, write]
+    if view is not None:
+        stages.append(ViewStage(view, stop, config.storage.view_sync_interval_s))
     if config.storage.compact_interval_s > 0 and not is_local(config.output):
         log.info("compaction: off, as the output is on an object store (not supported yet)")
     elif config.storage.compact_interval_s > 0:

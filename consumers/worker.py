@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 
-from consumers import repair, startup
+from consumers import derived, repair, startup
 from consumers.batcher import CloseReason, MicroBatch
 from consumers.bulk import BulkEnd
 from consumers.committer import OffsetCommitter, PublishedBatch
@@ -42,6 +42,7 @@ from consumers.stages import Stage, check_stages, start_stages
 from consumers.summary import RunSummary, account, update_lag
 from consumers.tokenize_process import TokenizerPool
 from pipeline.core.config import WorkerConfig
+from pipeline.core.documents import Keyed, paired
 from pipeline.core.errors import BrokerUnavailable, PipelineError
 from pipeline.core.host import freeze_start_up_objects, process_age_s
 from pipeline.core.metrics import WorkerMetrics
@@ -50,10 +51,11 @@ from pipeline.kafka import cluster, internals, record_batches
 from pipeline.kafka.dead_letter import DeadLetterSink
 from pipeline.model.cache import EmbeddingCache, open_cache
 from pipeline.model.embedder import Embedder, TokenIds
-from sinks.identity import check_output_model
+from sinks.identity import check_output_mode, check_output_model
 from sinks.index import shards as index_shards
 from sinks.index.store import IndexStore
 from sinks.parquet import ParquetSink
+from sinks.view import ViewStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,6 +96,7 @@ class Worker:
         self.parser = RecordParser(
             config.input.text_field, config.input.id_field, config.input.max_text_bytes
         )
+        self.documents = config.documents  # None: append mode
         # How records are batched, partitions paused and batches ordered (consumers.flow).
         self.flow = flow_control(config)
         self.batcher = self.flow.batcher
@@ -101,6 +104,8 @@ class Worker:
         self._embed_q: queue.Queue[MicroBatch] = self.flow.embed_queue
         # The worker only adds to the index; `pipeline search` chooses the GPU.
         self.index = IndexStore(config.output)
+        # Upsert mode's current view (sinks.view), kept by a stage of its own.
+        self.view = ViewStore(config.output) if self.documents is not None else None
         self.dead_letter = DeadLetterSink(
             config.kafka, config.dead_letter_topic, timeout_s=config.liveness.broker_timeout_s
         )
@@ -156,9 +161,7 @@ class Worker:
         if removed:
             log.info("removed %d temp file(s) left by dead or stalled writers", removed)
         self._repair(committed)
-        caught_up = self.index.sync()
-        if caught_up:
-            log.info("index caught up with %d vectors from existing Parquet files", caught_up)
+        derived.catch_up(self.index, self.view, self.metrics, starting=True)
         self._consumer = startup.make_consumer(self.config, self.ownership, self._revoke_timeout_s)
         self._reader = Reader(
             self._consumer,
@@ -185,6 +188,7 @@ class Worker:
             (self._embed_q, self._write_q, self._done_q),
             self._stop_stages,
             heard_within=lambda s: internals.heard_within(self._consumer, s),
+            view=self.view,
         )
         self.flow.attach(self._stages[0])
         try:
@@ -203,7 +207,8 @@ class Worker:
         self.embedder = model.result() if isinstance(model, Future) else model
         # Before anything is consumed: one output holds one model's vectors.
         check_output_model(self.config.output, self.embedder.info)
-        self.parquet = ParquetSink(self.config.output, self.embedder.info)
+        check_output_mode(self.config.output, upsert=self.documents is not None)
+        self.parquet = ParquetSink(self.config.output, self.embedder.info, self.config.documents)
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
         index_shards.preload(self.embedder.info.dim)
         self.parquet.preload()
@@ -349,13 +354,11 @@ class Worker:
         assert self._reader is not None
         if truncated:
             self.metrics.truncated.inc(truncated)
-        if len(token_ids) == len(parsed):  # no bad record among them: paired in C
-            pairs: list[tuple[GoodRecord | BadRecord, TokenIds | None]] = list(
-                zip(parsed, token_ids, strict=True)
-            )
+        pairs: list[tuple[Keyed, TokenIds | None]]
+        if len(token_ids) == len(parsed) and self.documents is None:  # no bad record: in C
+            pairs = list(zip(parsed, token_ids, strict=True))
         else:
-            ids = iter(token_ids)
-            pairs = [(p, next(ids) if isinstance(p, GoodRecord) else None) for p in parsed]
+            pairs = paired(parsed, token_ids, self.documents)
         for batch in self.batcher.add(pairs, self._reader.epoch):
             self._hand_off(batch)
 
@@ -574,10 +577,7 @@ class Worker:
         if self._bulk is not None:
             self._bulk.close()
         if not any(stage.error for stage in self._stages):
-            # Every published file goes into the index before the worker exits.
-            self.index.sync()
-            if self.index.meta is not None:
-                self.metrics.index_vectors.set(self.index.meta.count)
+            derived.catch_up(self.index, self.view, self.metrics, starting=False)
 
 
 def _take_all(source: queue.Queue[T]) -> Iterator[T]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from pipeline.core.documents import DOC_KEY
 from pipeline.core.errors import IndexStateError
 from pipeline.core.layout import describe, segments_by_partition
 from pipeline.core.model_info import NORMALIZED
@@ -27,6 +28,7 @@ from sinks.index import metric as metrics
 from sinks.index.store import Hit, IndexStore
 from sinks.segments import DamagedSegment, read_rows
 from sinks.vectors_swap import read_consistently
+from sinks.view import ViewStore, has_view
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,10 @@ def search(
                 f"but that model now loads as {ours}"
             )
     similarity, legacy_as = _similarity(output, store.meta.similarity, model, embedder.info)
-    hits = store.search(embedder.embed_queries([query]), k, legacy_as)[0]
+    vector = embedder.embed_queries([query])
+    if has_view(output):  # upsert mode: live documents only
+        return Found(similarity, _live_hits(output, store, vector, k, legacy_as))
+    hits = store.search(vector, k, legacy_as)[0]
     # Read again if a compaction exchanged the files meanwhile (sinks.vectors_swap).
     rows = read_consistently(output, lambda: [_row(output, hit) for hit in hits])
     found = [dict(row, score=hit.score) for row, hit in zip(rows, hits, strict=True)]
@@ -118,6 +123,34 @@ def _model_name(model_meta: dict[str, str]) -> str:
 _ROW_COLUMNS = ["topic", "partition", "offset", "id", "text", "key", "timestamp"]
 
 
+def _live_hits(
+    output: Path, store: IndexStore, vector: Any, k: int, legacy_as: str | None
+) -> list[dict[str, Any]]:
+    """The best k hits that are live versions in the current view (sinks.view): the index
+    may still hold versions the view has since superseded or deleted, so it is asked
+    for more until k live ones are found or it has no more."""
+    view = ViewStore(output)
+    fetch = k
+    while True:
+        hits = store.search(vector, fetch, legacy_as)[0]
+        where = [(h.topic, h.partition, h.offset) for h in hits]
+        rows = view.live(where, [DOC_KEY, *_ROW_COLUMNS]).to_pylist()
+        by_place = {(r["topic"], r["partition"], r["offset"]): r for r in rows}
+        found = [
+            dict(_decoded(by_place[place]), score=hit.score)
+            for place, hit in zip(where, hits, strict=True)
+            if place in by_place
+        ]
+        if len(found) >= k or len(hits) < fetch or fetch >= store.ntotal:
+            return found[:k]
+        fetch *= 4
+
+
+def _decoded(row: dict[str, Any]) -> dict[str, Any]:
+    row["key"] = row["key"].decode("utf-8", "replace") if row["key"] else None
+    return row
+
+
 def _row(output: Path, hit: Hit) -> dict[str, Any]:
     """The Parquet row of a hit: in the last segment starting at or before its offset."""
     segments = segments_by_partition(output, [hit.topic]).get((hit.topic, hit.partition), [])
@@ -131,9 +164,7 @@ def _row(output: Path, hit: Hit) -> dict[str, Any]:
             continue
         row = table.filter(pc.equal(table["offset"], hit.offset)).to_pylist()
         if row:
-            found = row[0]
-            found["key"] = found["key"].decode("utf-8", "replace") if found["key"] else None
-            return found
+            return _decoded(row[0])
     raise IndexStateError(
         f"index entry {hit.topic}[{hit.partition}]@{hit.offset} has no Parquet row; "
         f"run: pipeline index rebuild --output {describe(output)}"

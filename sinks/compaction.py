@@ -35,11 +35,12 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -112,6 +113,25 @@ class Run:
         return f"{topic}-p{partition:05d}-{self.first:020d}-{self.last:020d}.parquet"
 
 
+@dataclass(frozen=True)
+class Erasure:
+    """Rows a purge erases (upsert mode: sinks.purge): per partition, those at or below
+    `through` whose offset is not in `keep` (sorted)."""
+
+    through: Mapping[TopicPartitionKey, int]
+    keep: Mapping[TopicPartitionKey, np.ndarray]
+
+    def mask(self, key: TopicPartitionKey, offsets: np.ndarray) -> np.ndarray:
+        """Which of `offsets` (of partition `key`) are erased."""
+        through = self.through.get(key)
+        if through is None:
+            return np.zeros(len(offsets), dtype=bool)
+        return (offsets <= through) & ~np.isin(offsets, self.keep.get(key, _NONE))
+
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
 @dataclass
 class CompactionReport:
     files_before: int = 0
@@ -119,6 +139,7 @@ class CompactionReport:
     runs: int = 0
     merged_files: int = 0
     rows: int = 0
+    erased: int = 0  # rows a purge erased
     bytes_read: int = 0
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
@@ -132,11 +153,14 @@ def compact(
     target_bytes: int = DEFAULT_TARGET_BYTES,
     dry_run: bool = False,
     should_stop: Callable[[], bool] = lambda: False,
+    erase: Erasure | None = None,
 ) -> CompactionReport:
     """Merges runs of small segments in `output`; see the module docstring.
 
     `should_stop` is asked between merged files: a stopping worker abandons the
-    run (nothing visible changed yet) rather than holding up its shutdown."""
+    run (nothing visible changed yet) rather than holding up its shutdown. With
+    `erase`, the rows it names leave every segment holding one (a run of one segment
+    where no merge takes it), their offsets recorded as purged in the footer."""
     if not isinstance(output, Path):
         raise OutputError(
             f"{describe(output)}: compaction of object-store outputs is not supported yet "
@@ -144,13 +168,17 @@ def compact(
             "larger --batch-size and --poll-timeout-ms make fewer, larger segments"
         )
     try:
-        return _compact(output, target_bytes, dry_run, should_stop)
+        return _compact(output, target_bytes, dry_run, should_stop, erase)
     except OSError as exc:  # disk full, permissions: one line, as for a worker's writes
         raise output_error(exc, output) from exc
 
 
 def _compact(
-    output: Path, target_bytes: int, dry_run: bool, should_stop: Callable[[], bool]
+    output: Path,
+    target_bytes: int,
+    dry_run: bool,
+    should_stop: Callable[[], bool],
+    erase: Erasure | None,
 ) -> CompactionReport:
     started = time.perf_counter()
     report = CompactionReport()
@@ -162,6 +190,8 @@ def _compact(
         runs = [
             run for key, parts in segments.items() for run in plan_runs(key, parts, target_bytes)
         ]
+        if erase is not None:
+            runs += _erasing_runs(segments, runs, erase)
         report.runs = len(runs)
         report.rows = sum(info.rows for run in runs for info in run.sources)
         report.merged_files = sum(len(run.sources) for run in runs)
@@ -175,7 +205,9 @@ def _compact(
                     if should_stop():
                         report.skipped.append("stopped before the exchange")
                         return report
-                    report.bytes_read += _write_merged(run, staging / run.name)
+                    read, erased = _write_merged(run, staging / run.name, erase)
+                    report.bytes_read += read
+                    report.erased += erased
                 fsync_dir(staging)
                 _swap_in(output, staging, runs, segments, report)
             finally:
@@ -234,12 +266,40 @@ def _describe(segment: SegmentFile) -> tuple[SegmentInfo | None, int, dict[bytes
     return info, size, embedding
 
 
-def _write_merged(run: Run, path: Path) -> int:
-    """Writes the run's rows, in offset order, with the run's range; returns bytes read."""
+def _erasing_runs(
+    segments: dict[TopicPartitionKey, list[SegmentFile]], runs: list[Run], erase: Erasure
+) -> list[Run]:
+    """A run of one segment for each segment that holds erased rows and no run takes."""
+    taken = {info.file.path for run in runs for info in run.sources}
+    found = []
+    for key, parts in segments.items():
+        for segment in parts:
+            if segment.path in taken:
+                continue
+            info, _, _ = _describe(segment)
+            if info is None or info.records is None:
+                continue  # damaged (a worker quarantines it) or legacy: left as it is
+            offsets = pq.read_table(segment.path, columns=["offset"]).column("offset")
+            if erase.mask(key, offsets.to_numpy().astype(np.int64)).any():
+                found.append(Run(key, (info,)))
+    return found
+
+
+def _write_merged(run: Run, path: Path, erase: Erasure | None = None) -> tuple[int, int]:
+    """Writes the run's rows (less those `erase` names), in offset order, with the run's
+    range; returns (bytes read, rows erased)."""
     first_schema = pq.read_schema(run.sources[0].file.path)
     raw = {k.decode(): v.decode() for k, v in (first_schema.metadata or {}).items()}
     kept = {k: v for k, v in raw.items() if not k.startswith(META_PREFIX)}
     records = sum(info.records or 0 for info in run.sources)
+    erased: list[np.ndarray] = []
+    batches = _batches(run, erase, erased)
+    bytes_read = sum(info.file.path.stat().st_size for info in run.sources)
+    # The footer names the erased offsets, known once the rows are read: a purge reads
+    # them first (at most a merge's target size, held once).
+    if erase is not None:
+        batches = iter(list(batches))
+    purged = _merge_ranges([r for info in run.sources for r in info.purged] + _ranges_of(erased))
     # The run's first start note, and its last segment's dead-letter mark: the next owner
     # of the partition reads dead letters from where the newest segment says.
     meta = segment_metadata(
@@ -249,9 +309,9 @@ def _write_merged(run: Run, path: Path) -> int:
         f"compact:{WRITER}",
         run.sources[0].start,
         run.sources[-1].dead_letters,
+        purged,
     )
     schema = first_schema.with_metadata({**kept, **meta})
-    bytes_read = 0
     pending: list[pa.RecordBatch] = []
     with open(path, "wb") as fh:
         with pq.ParquetWriter(
@@ -271,22 +331,53 @@ def _write_merged(run: Run, path: Path) -> int:
                 pending.clear()
                 pending_rows = pending_bytes = 0
 
-            for info in run.sources:
-                bytes_read += info.file.path.stat().st_size
-                source = pq.ParquetFile(info.file.path)
-                for batch in source.iter_batches(batch_size=_READ_BATCH_ROWS):
-                    if not batch.num_rows:
-                        continue
-                    pending.append(pa.Table.from_batches([batch]).cast(schema).to_batches()[0])
-                    pending_rows += batch.num_rows
-                    pending_bytes += batch.nbytes
-                    if pending_rows >= ROW_GROUP_ROWS or pending_bytes >= ROW_GROUP_BYTES:
-                        write_pending()
+            for batch in batches:
+                pending.append(pa.Table.from_batches([batch]).cast(schema).to_batches()[0])
+                pending_rows += batch.num_rows
+                pending_bytes += batch.nbytes
+                if pending_rows >= ROW_GROUP_ROWS or pending_bytes >= ROW_GROUP_BYTES:
+                    write_pending()
             if pending:
                 write_pending()
         fh.flush()
         os.fsync(fh.fileno())
-    return bytes_read
+    return bytes_read, sum(len(e) for e in erased)
+
+
+def _batches(run: Run, erase: Erasure | None, erased: list[np.ndarray]) -> Iterator[pa.RecordBatch]:
+    """The run's rows in batches, less those `erase` names (their offsets: to `erased`)."""
+    for info in run.sources:
+        source = pq.ParquetFile(info.file.path)
+        for batch in source.iter_batches(batch_size=_READ_BATCH_ROWS):
+            if erase is not None and batch.num_rows:
+                offsets = batch.column("offset").to_numpy().astype(np.int64)
+                mask = erase.mask(run.key, offsets)
+                if mask.any():
+                    erased.append(offsets[mask])
+                    batch = batch.filter(pa.array(~mask))
+            if batch.num_rows:
+                yield batch
+
+
+def _ranges_of(parts: list[np.ndarray]) -> list[tuple[int, int]]:
+    """Sorted offsets as runs of consecutive ones: [(first, last), ...]."""
+    if not parts:
+        return []
+    offsets = np.sort(np.concatenate(parts))
+    breaks = np.flatnonzero(np.diff(offsets) != 1)
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [len(offsets) - 1]])
+    return [(int(offsets[a]), int(offsets[b])) for a, b in zip(starts, ends, strict=True)]
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(last, merged[-1][1]))
+        else:
+            merged.append((first, last))
+    return merged
 
 
 def _swap_in(

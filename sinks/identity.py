@@ -108,6 +108,29 @@ def recorded_model(output: Any) -> dict[str, str] | None:
     return None
 
 
+def check_output_mode(output: Any, upsert: bool) -> None:
+    """Refuses (OutputError) to write one write mode's segments into an output that
+    holds the other's: upsert-mode segments carry the document columns
+    (pipeline.core.documents), append-mode ones do not, and one output holds one kind."""
+    from pipeline.core.documents import APPEND, DOC_KEY, UPSERT
+    from pipeline.core.layout import describe, iter_segments
+    from sinks.segments import DamagedSegment, read_schema
+
+    for segment in reversed(list(iter_segments(output))[-_FOOTERS_TRIED:]):
+        try:
+            names = read_schema(segment).names
+        except (FileNotFoundError, DamagedSegment, OSError, ValueError, pa.ArrowException):
+            continue
+        if (DOC_KEY in names) == upsert:
+            return
+        held, asked = (APPEND, UPSERT) if upsert else (UPSERT, APPEND)
+        raise OutputError(
+            f"{describe(output)} holds {held}-mode segments and this worker writes "
+            f"--write-mode {asked}: one output holds one mode; give a new --output and a new "
+            f"--group, or run with --write-mode {held}"
+        )
+
+
 def differences(recorded: Mapping[str, str], model: ModelInfo) -> list[str]:
     """What differs between an output's recorded model and `model`, as phrases."""
     ours = {**model.as_metadata(), "model_identity": comparable_identity(recorded, model)}

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.core.documents import DELETED, DOC_KEY, Deletion, DocumentKeys
 from pipeline.core.errors import OutputError
 from pipeline.core.host import fsync_dir
 from pipeline.core.layout import (
@@ -64,7 +65,13 @@ if TYPE_CHECKING:
 _stage_numbers = itertools.count()
 
 
-def schema(dim: int) -> pa.Schema:
+def schema(dim: int, upsert: bool = False) -> pa.Schema:
+    """A segment's columns; upsert mode adds the document key and the deletion flag
+    (pipeline.core.documents)."""
+    documents = [
+        pa.field(DOC_KEY, pa.string(), nullable=False),
+        pa.field(DELETED, pa.bool_(), nullable=False),
+    ]
     return pa.schema(
         [
             pa.field("topic", pa.string(), nullable=False),
@@ -76,6 +83,7 @@ def schema(dim: int) -> pa.Schema:
             pa.field("timestamp", pa.int64(), nullable=False),
             pa.field("metadata", pa.string()),
             pa.field("embedding", pa.list_(pa.field("item", pa.float32()), dim), nullable=False),
+            *(documents if upsert else []),
         ]
     )
 
@@ -91,7 +99,10 @@ class StagedFile:
 
 
 class ParquetSink:
-    def __init__(self, output: Output, model: ModelInfo) -> None:
+    def __init__(
+        self, output: Output, model: ModelInfo, documents: DocumentKeys | None = None
+    ) -> None:
+        """`documents`: how records name their documents, in upsert mode (None: append)."""
         self.output = output
         self.store: ObjectStore | None = None if isinstance(output, Path) else output
         self.directory = vectors_dir(output) if isinstance(output, Path) else Path(VECTORS_DIR)
@@ -99,8 +110,9 @@ class ParquetSink:
         # that a compaction's directory exchange never leaves one behind.
         self.lock = VectorsLock(output) if isinstance(output, Path) else None
         self._model_metadata = {f"embedding.{k}": v for k, v in model.as_metadata().items()}
-        self._schema = schema(model.dim)
+        self._schema = schema(model.dim, upsert=documents is not None)
         self._dim = model.dim
+        self.documents = documents
 
     def preload(self) -> None:
         """Writes a one-row segment to a temporary folder and reads it back as the
@@ -154,10 +166,14 @@ class ParquetSink:
         consumed: int,
         start: str | None = None,
         dead_letters: DeadLetterMark | None = None,
+        deletions: Sequence[Deletion] = (),
     ) -> StagedFile:
-        """Writes offsets key.first..last (`consumed` records, the good ones given) aside."""
+        """Writes offsets key.first..last (`consumed` records, the good ones and, in upsert
+        mode, the deletions given) aside."""
         metadata = segment_metadata(key.first, last, consumed, WRITER, start, dead_letters)
         table = self._table(records, vectors, {**self._model_metadata, **metadata})
+        if self.documents is not None:
+            table = self._with_documents(table, records, deletions)
         if self.store is not None:
             buffer = pa.BufferOutputStream()
             _write(table, buffer)
@@ -247,7 +263,39 @@ class ParquetSink:
             pa.array(metadatas, pa.string()),
             pa.FixedSizeListArray.from_arrays(flat, self._dim),
         ]
-        return pa.Table.from_arrays(columns, schema=self._schema.with_metadata(metadata))
+        plain = self._schema if self.documents is None else schema(self._dim)
+        return pa.Table.from_arrays(columns, schema=plain.with_metadata(metadata))
+
+    def _with_documents(
+        self, table: pa.Table, records: Sequence[GoodRecord], deletions: Sequence[Deletion]
+    ) -> pa.Table:
+        """The rows with their document keys, and a row per deletion (no text, a zero
+        vector), in offset order."""
+        assert self.documents is not None
+        keys = [self.documents.key_of(r) for r in records]
+        table = table.append_column(DOC_KEY, pa.array(keys, pa.string()))
+        table = table.append_column(DELETED, pa.array([False] * len(records), pa.bool_()))
+        if deletions:
+            zeros = pa.array(np.zeros(len(deletions) * self._dim, np.float32), pa.float32())
+            sources = [d.source for d in deletions]
+            gone = pa.Table.from_arrays(
+                [
+                    pa.array([s.topic for s in sources], pa.string()),
+                    pa.array([s.partition for s in sources], pa.int32()),
+                    pa.array([s.offset for s in sources], pa.int64()),
+                    pa.array([s.key for s in sources], pa.binary()),
+                    pa.nulls(len(sources), pa.string()),
+                    pa.array([""] * len(sources), pa.string()),
+                    pa.array([s.timestamp for s in sources], pa.int64()),
+                    pa.nulls(len(sources), pa.string()),
+                    pa.FixedSizeListArray.from_arrays(zeros, self._dim),
+                    pa.array([d.key for d in deletions], pa.string()),
+                    pa.array([True] * len(deletions), pa.bool_()),
+                ],
+                schema=table.schema,
+            )
+            table = pa.concat_tables([table, gone]).sort_by("offset")
+        return table.cast(self._schema.with_metadata(table.schema.metadata))
 
 
 def _write(table: pa.Table, sink: Any) -> None:

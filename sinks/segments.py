@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,6 +37,9 @@ META_PREFIX = "segment."
 # where the partition (or the previous segment) ends: the user chose it.
 START_FROM_COMMITTED = "from-committed"
 DEAD_LETTERS_KEY = f"{META_PREFIX}dead_letters_from"
+# Upsert mode: offset ranges whose rows `pipeline compact --purge` erased (superseded
+# and deleted documents), as JSON [[first, last], ...]: accounted for, not missing.
+PURGED_KEY = f"{META_PREFIX}purged"
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,15 @@ class SegmentInfo:
     records: int | None  # records consumed in the range, good and bad (None: legacy file)
     start: str | None = None
     dead_letters: DeadLetterMark | None = None
+    purged: tuple[tuple[int, int], ...] = ()  # ranges of erased rows (PURGED_KEY)
+
+    @property
+    def purged_count(self) -> int:
+        return sum(last - first + 1 for first, last in self.purged)
 
     @property
     def dead_lettered(self) -> int | None:
-        return None if self.records is None else self.records - self.rows
+        return None if self.records is None else self.records - self.rows - self.purged_count
 
 
 class DamagedSegment(OutputError):
@@ -96,6 +104,7 @@ def segment_metadata(
     writer: str,
     start: str | None = None,
     dead_letters: DeadLetterMark | None = None,
+    purged: Sequence[tuple[int, int]] = (),
 ) -> dict[str, str]:
     meta = {
         f"{META_PREFIX}first_offset": str(first),
@@ -107,6 +116,8 @@ def segment_metadata(
         meta[f"{META_PREFIX}start"] = start
     if dead_letters is not None:
         meta[DEAD_LETTERS_KEY] = dead_letters.to_text()
+    if purged:
+        meta[PURGED_KEY] = json.dumps([list(r) for r in purged])
     return meta
 
 
@@ -137,13 +148,18 @@ def read_schema(segment: SegmentFile) -> pa.Schema:
         return pq.read_schema(pa.PythonFile(ranged, mode="r"))
 
 
-def read_table(segment: SegmentFile, columns: Sequence[str] | None = None) -> pa.Table:
-    """The segment's rows (the given columns), as pyarrow reads them: ArrowException or
-    OSError when damaged, FileNotFoundError when gone."""
-    if segment.store is None:
-        return pq.read_table(segment.path, columns=None if columns is None else list(columns))
-    data = segment.store.get(str(segment.path))
-    return pq.read_table(pa.BufferReader(data), columns=None if columns is None else list(columns))
+def read_table(
+    segment: SegmentFile, columns: Sequence[str] | None = None, optional: Sequence[str] = ()
+) -> pa.Table:
+    """The segment's rows (the given columns, and those of `optional` it has), as pyarrow
+    reads them: ArrowException or OSError when damaged, FileNotFoundError when gone."""
+    source: Any = segment.path
+    if segment.store is not None:
+        source = pa.BufferReader(segment.store.get(str(segment.path)))
+    if columns is not None and optional:
+        names = set(pq.read_schema(source).names)
+        columns = [*columns, *(c for c in optional if c in names)]
+    return pq.read_table(source, columns=None if columns is None else list(columns))
 
 
 def segment_size(segment: SegmentFile) -> int:
@@ -169,13 +185,26 @@ def info_from_metadata(
     records = int(raw.get(f"{META_PREFIX}records", rows))
     start = raw.get(f"{META_PREFIX}start")
     mark = DeadLetterMark.from_text(raw.get(DEAD_LETTERS_KEY))
-    return SegmentInfo(segment, first, last, rows, records, start, mark)
+    purged = _ranges(segment, raw.get(PURGED_KEY))
+    return SegmentInfo(segment, first, last, rows, records, start, mark, purged)
 
 
-def read_rows(segment: SegmentFile, columns: Sequence[str]) -> tuple[pa.Table, SegmentInfo]:
-    """The segment's columns and range; DamagedSegment if it cannot be read."""
+def _ranges(segment: SegmentFile, text: str | None) -> tuple[tuple[int, int], ...]:
+    if not text:
+        return ()
     try:
-        table = read_table(segment, columns)
+        return tuple((int(a), int(b)) for a, b in json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise DamagedSegment(segment, f"unreadable {PURGED_KEY}: {exc}") from exc
+
+
+def read_rows(
+    segment: SegmentFile, columns: Sequence[str], optional: Sequence[str] = ()
+) -> tuple[pa.Table, SegmentInfo]:
+    """The segment's columns (and those of `optional` it has) and range; DamagedSegment
+    if it cannot be read."""
+    try:
+        table = read_table(segment, columns, optional)
     except FileNotFoundError:
         raise
     except (OSError, pa.ArrowException) as exc:

@@ -41,6 +41,7 @@ class PartitionAudit:
     checked_from: int
     rows: int
     dead_lettered: int
+    purged: int  # offsets whose rows a purge erased (upsert mode), accounted for
     missing: list[Range]
     doubled: list[Range]
     dead_letter_repeats: list[Range]
@@ -63,6 +64,7 @@ class PartitionAudit:
             "checked_from": self.checked_from,
             "rows": self.rows,
             "dead_lettered": self.dead_lettered,
+            "purged": self.purged,
             "missing": [list(r) for r in self.missing],
             "missing_count": count(self.missing),
             "doubled": [list(r) for r in self.doubled],
@@ -93,6 +95,7 @@ def audit_partition(
     dead_letters: np.ndarray,
     coverage: Coverage,
     scan: Scan,
+    purged: np.ndarray = EMPTY,
 ) -> PartitionAudit:
     """Accounts for the partition's offsets below `committed`; `scan` reads the gaps in Kafka.
 
@@ -102,6 +105,8 @@ def audit_partition(
     """
     first = coverage.first
     checked_from = first if coverage.start == START_FROM_COMMITTED and first is not None else 0
+    # An erased row's offset counts as its row did: once, and never beside another.
+    rows = np.sort(np.concatenate([rows, purged])) if len(purged) else rows
     distinct_rows = np.unique(rows)
     distinct_dead = np.unique(dead_letters)
     accounted = np.union1d(distinct_rows, distinct_dead)
@@ -127,8 +132,9 @@ def audit_partition(
         log_start=log_start,
         end=end,
         checked_from=checked_from,
-        rows=int(rows.size),
+        rows=int(rows.size - purged.size),
         dead_lettered=int(distinct_dead.size),
+        purged=int(purged.size),
         missing=runs(found),
         doubled=doubled,
         dead_letter_repeats=runs(repeated(dead_letters)),

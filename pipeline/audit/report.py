@@ -25,6 +25,7 @@ def audit_report(
         "partitions": len(audits),
         "rows": sum(a.rows for a in audits),
         "dead_lettered": sum(a.dead_lettered for a in audits),
+        "purged": sum(a.purged for a in audits),
         "missing": sum(count(a.missing) for a in audits),
         "doubled": sum(count(a.doubled) for a in audits),
         "dead_letter_repeats": sum(count(a.dead_letter_repeats) for a in audits),
@@ -93,7 +94,8 @@ def _verdict_line(report: Mapping[str, Any]) -> str:
     return (
         f"{head}: group {report['group']}, {totals['partitions']} partition(s), "
         f"{totals['rows']} rows, {totals['dead_lettered']} dead-lettered, "
-        f"{totals['missing']} missing, {totals['doubled']} doubled, "
+        + (f"{totals['purged']} purged, " if totals.get("purged") else "")
+        + f"{totals['missing']} missing, {totals['doubled']} doubled, "
         f"{totals['dead_letter_repeats']} dead-lettered twice, "
         f"{totals['unverifiable']} unverifiable, {totals['damaged_files']} damaged file(s)"
     )

@@ -23,12 +23,17 @@ class OutputRows:
     """Every row's offset per partition (sorted, repeats kept) and what the footers say."""
 
     offsets: dict[Key, np.ndarray] = field(default_factory=dict)
+    # Offsets a purge erased (upsert mode: sinks.purge), from the footers: accounted for.
+    purged: dict[Key, np.ndarray] = field(default_factory=dict)
     infos: dict[Key, list[SegmentInfo]] = field(default_factory=dict)
     damaged: dict[Key, list[DamagedFile]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def rows_of(self, key: Key) -> np.ndarray:
         return self.offsets.get(key, EMPTY)
+
+    def purged_of(self, key: Key) -> np.ndarray:
+        return self.purged.get(key, EMPTY)
 
     def coverage(self, key: Key, committed: int | None) -> Coverage:
         return check_coverage(key, self.infos.get(key, []), self.damaged.get(key, []), committed)
@@ -43,6 +48,7 @@ def read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
 def _read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
     found = OutputRows()
     chunks: dict[Key, list[np.ndarray]] = defaultdict(list)
+    purged: dict[Key, list[np.ndarray]] = defaultdict(list)
     for key, segments in segments_by_partition(output, topics).items():
         for segment in segments:
             try:
@@ -54,6 +60,9 @@ def _read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
                 found.damaged.setdefault(key, []).append(DamagedFile.of(exc))
                 continue
             found.infos.setdefault(key, []).append(info)
+            purged[key] += [
+                np.arange(first, last + 1, dtype=np.int64) for first, last in info.purged
+            ]
             for row_key, offsets in _offsets_by_partition(table, key):
                 if row_key != key:
                     found.warnings.append(
@@ -62,6 +71,9 @@ def _read_output_rows(output: Path, topics: Iterable[str]) -> OutputRows:
                 chunks[row_key].append(offsets)
     for key, parts in chunks.items():
         found.offsets[key] = np.sort(np.concatenate(parts))
+    for key, parts in purged.items():
+        if parts:
+            found.purged[key] = np.sort(np.concatenate(parts))
     return found
 
 

@@ -72,6 +72,7 @@ def run_audit(
                 dead.of(key),
                 rows.coverage(key, committed.get(key)),
                 scan,
+                rows.purged_of(key),
             )
             for key, tp in zip(keys, tps, strict=True)
         ]

@@ -80,18 +80,51 @@ def search(
     help="MiB merged files grow up to; files of half of it or more stay as they are.",
 )
 @click.option("--dry-run", is_flag=True, help="Say what would be merged; change nothing.")
+@click.option(
+    "--purge",
+    is_flag=True,
+    help="Upsert mode: also erase superseded and deleted documents from every file of OUTPUT "
+    "(segments, index, the current view's older versions).",
+)
+@click.option(
+    "--view-retention-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --purge: versions of the current view younger than this stay readable.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
-def compact(output: Path, target_mb: int, dry_run: bool, as_json: bool) -> None:
+def compact(
+    output: Path, target_mb: int, dry_run: bool, purge: bool, view_retention_s: float,
+    as_json: bool,
+) -> None:  # fmt: skip
     """Merge runs of small Parquet segments in OUTPUT into large ones.
 
     Safe while workers run: readers listing OUTPUT/vectors see the sources or
     the merged files, never both and never neither; ranges, restart points and
-    the index do not change.
+    the index do not change. With --purge (upsert mode), superseded and deleted
+    documents are erased from every file; their offsets stay accounted for.
     """
     import json
 
     from sinks.compaction import compact as compact_output
     from sinks.compaction import settle
+
+    if purge:
+        if dry_run:
+            raise click.UsageError("--purge changes files; it has no --dry-run")
+        from sinks.purge import purge as purge_output
+
+        purged = purge_output(output, target_mb << 20, view_retention_s)
+        if as_json:
+            click.echo(json.dumps(purged.as_dict(), indent=1, sort_keys=True))
+            return
+        click.echo(
+            f"purged {purged.erased_rows} row(s) from {purged.rewritten_segments} segment(s); "
+            f"{purged.live_documents} live document(s), {purged.index_vectors} vector(s) in "
+            f"the index, {purged.seconds:.1f}s"
+        )
+        return
 
     report = compact_output(output, target_bytes=target_mb << 20, dry_run=dry_run)
     if not dry_run and isinstance(output, Path):

@@ -17,6 +17,7 @@ from pipeline.core.config import (
     KafkaSettings,
     WorkerConfig,
 )
+from pipeline.core.documents import DOCUMENT_KEYS, WRITE_MODES
 from pipeline.core.errors import ConfigError
 
 # -- run ------------------------------------------------------------------------------
@@ -105,6 +106,23 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
 @_run_option("--text-field", help="JSON field of the input records holding the text.")
 @_run_option("--id-field", help="JSON field of the input records holding the optional id.")
 @_run_option(
+    "--write-mode",
+    type=click.Choice(WRITE_MODES),
+    help="append: every record is a row. upsert: records are versions of documents by key; "
+    "a tombstone deletes one; OUTPUT/current holds the live documents (docs/documents.md).",
+)
+@_run_option(
+    "--document-key",
+    type=click.Choice(DOCUMENT_KEYS),
+    help="Upsert mode: a record's document is its --id-field value, or its Kafka key where it "
+    "has none (id); or always its Kafka key (kafka-key).",
+)
+@_run_option(
+    "--max-key-bytes",
+    type=int,
+    help="Upsert mode: document keys over this many UTF-8 bytes are bad records.",
+)
+@_run_option(
     "--max-text-bytes",
     type=int,
     help="Texts over this many UTF-8 bytes are bad records (to the dead-letter topic).",
@@ -155,6 +173,11 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "--compact-interval-s",
     type=float,
     help="Seconds between merges of small Parquet segments (pipeline compact); 0: never.",
+)
+@_run_option(
+    "--view-sync-interval-s",
+    type=float,
+    help="Upsert mode: seconds between applies of new segments to the current view.",
 )
 @_run_option("--compact-target-mb", type=int, help="MiB that merged segments grow to.")
 @_run_option(

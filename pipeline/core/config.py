@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.core.documents import DOCUMENT_KEYS, UPSERT, WRITE_MODES, DocumentKeys
 from pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -119,6 +120,11 @@ class InputSettings:
     # offsets (by default that is refused: it would silently leave out every record
     # before them).
     from_committed: bool = False
+    # Documents by key (pipeline.core.documents): "append" stores every record; "upsert"
+    # also keeps the current view (sinks.view): one row per live document.
+    write_mode: str = "append"
+    document_key: str = "id"
+    max_key_bytes: int = 1024
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,9 @@ class StorageSettings:
     """The output's index and compaction (the output itself: WorkerConfig.output)."""
 
     index_sync_interval_s: float = 30.0
+    # Upsert mode: how often the current view applies the published segments; its
+    # delay behind them is about this plus one apply (docs/documents.md).
+    view_sync_interval_s: float = 5.0
     # Small segments are merged this often (sinks.compaction); 0 turns it off.
     compact_interval_s: float = 600.0
     compact_target_mb: int = 128
@@ -321,6 +330,15 @@ class WorkerConfig:
         ):
             if optional is not None:
                 _check_positive(label, optional)
+        _check_choice("write mode", self.input.write_mode, WRITE_MODES)
+        _check_choice("document key", self.input.document_key, DOCUMENT_KEYS)
+        if self.input.write_mode == UPSERT and not isinstance(self.output, Path):
+            raise ConfigError(
+                "--write-mode upsert needs a local --output for now: the current view on an "
+                "object store is not supported yet (docs/documents.md)"
+            )
+        _check_positive("max key bytes", self.input.max_key_bytes)
+        _check_positive("view sync interval (s)", self.storage.view_sync_interval_s)
         _check_choice("precision", m.precision, PRECISIONS)
         _check_choice("device", m.device, DEVICES)
         _check_choice("shapes", m.shapes, SHAPES)
@@ -336,6 +354,13 @@ class WorkerConfig:
             raise ConfigError("--text-field and --id-field must differ")
         check_cache_spec(self.cache.spec)
         parse_cache_size(self.cache.size)
+
+    @property
+    def documents(self) -> DocumentKeys | None:
+        """How records name their documents in upsert mode; None in append mode."""
+        if self.input.write_mode != UPSERT:
+            return None
+        return DocumentKeys(self.input.document_key, self.input.max_key_bytes)
 
     @property
     def dead_letter_topic(self) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.documents import DELETED
 from pipeline.core.errors import IndexStateError
 from pipeline.core.layout import iter_segments, segments_by_partition
 from sinks.index import metric as metrics
@@ -111,10 +112,12 @@ def _covered_row_ids(
         through = covered.get(f"{topic}:{partition}", -1)
         for segment in segments:
             try:
-                offsets = read_table(segment, ["offset"]).column("offset")
+                table = read_table(segment, ["offset"], optional=[DELETED])
             except (OSError, ValueError) as exc:
                 raise IndexStateError(f"cannot read {segment.where}: {exc}") from exc
-            offsets_np = offsets.to_numpy().astype(np.int64)
+            offsets_np = table.column("offset").to_numpy().astype(np.int64)
+            if DELETED in table.column_names:  # upsert mode: a deletion's row has no vector
+                offsets_np = offsets_np[~table.column(DELETED).to_numpy(zero_copy_only=False)]
             inside = offsets_np[offsets_np <= through]
             uncovered += len(offsets_np) - len(inside)
             if len(inside):  # a covered partition's topic has a number

@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from pipeline.core.documents import DELETED
 from pipeline.core.errors import IndexStateError, OutputError
 from pipeline.core.layout import (
     Output,
@@ -228,7 +229,7 @@ class IndexStore:
             # stay stable and a reader holding the old generation sees the change.
             # Only the metadata is read: the old shards may be the broken thing.
             try:
-                previous = self._saved_meta()
+                previous = self.saved_meta()
             except IndexStateError:
                 previous = None
             self._carried_topics = dict(previous.topics) if previous else {}
@@ -296,12 +297,14 @@ class IndexStore:
             return False  # not readable now; a worker repairs it
 
     def _add_segment(self, segment: SegmentFile, sink: VectorSink, index_type: str) -> int:
-        table, info = read_rows(segment, ["offset", "embedding"])
+        table, info = read_rows(segment, ["offset", "embedding"], optional=[DELETED])
         meta = self._ensure(_list_size(table), segment, index_type)
         key = _key(*segment.key.partition_key)
         through = meta.covered.get(key, -1)
         offsets = table.column("offset").to_numpy().astype(np.int64)
         fresh = offsets > through
+        if DELETED in table.column_names:  # upsert mode: a deletion's row has no vector
+            fresh &= ~table.column(DELETED).to_numpy(zero_copy_only=False)
         vectors = table_vectors(table)[fresh] if len(offsets) else table_vectors(table)
         vectors = metrics.prepare(vectors, meta.similarity)
         if len(vectors):
@@ -384,7 +387,8 @@ class IndexStore:
 
     # -- persistence -------------------------------------------------------------
 
-    def _saved_meta(self) -> IndexMeta | None:
+    def saved_meta(self) -> IndexMeta | None:
+        """What index.json says (None: no index yet), its files unchecked."""
         text = self.files.meta_text()
         if text is None:
             return None
@@ -398,7 +402,7 @@ class IndexStore:
 
     def _read_meta(self) -> IndexMeta | None:
         """The saved metadata, checked against its files without reading them."""
-        meta = self._saved_meta()
+        meta = self.saved_meta()
         if meta is None:
             return None
         rebuild = f"run: pipeline index rebuild --output {describe(self.output)}"

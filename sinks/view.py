@@ -1,0 +1,365 @@
+"""The current view of an upsert-mode output: `DIR/current`, a Lance table with one
+row per live document, its latest version (docs/documents.md).
+
+The view is derived data, like the index: the history segments are the truth, and
+`ViewStore.sync()` applies what published segments hold past the view's positions,
+in one commit per apply. Each commit records, in its transaction properties, the
+last offset applied of every (topic, partition); a sync reads them back from the
+table itself, so a worker restarted, rebalanced or killed at any instant neither
+applies a change twice nor skips one: a commit either landed with its positions or
+did not land.
+
+An apply resolves its rows to one change per document (the latest version: the
+highest offset within a partition; across partitions, the later record timestamp,
+then the larger topic and partition), then merges them in one `merge_insert`: an
+update replaces the live row where it is newer, a new document is inserted, and a
+deletion removes the live row where the tombstone is newer. Its cost is that of the
+changes and of the key lookups (a BTREE index on `doc_key`), not of the table:
+Lance writes deletion files and new fragments, where a copy-on-write format
+rewrites every file a change touches (the measurement: docs/documents.md).
+
+Lance was chosen over Delta Lake by that measurement; readers: pylance, Polars and
+DuckDB through `lance.dataset(...)` (an Arrow dataset), Spark through lance-spark.
+
+Appliers take turns on a lock file beside the table (local outputs); so do the
+purge's rewrites of the table (`maintain`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.core.documents import DELETED, DOC_KEY
+from pipeline.core.errors import OutputError
+from pipeline.core.layout import SegmentFile, TopicPartitionKey, segments_by_partition
+from sinks.segments import DamagedSegment, last_offset, read_rows
+
+log = logging.getLogger(__name__)
+
+VIEW_DIR = "current"
+LOCK_NAME = ".current.lock"
+# Transaction property of each applying commit: {"topic:partition": last offset applied}.
+POSITIONS = "pipeline.positions"
+# The view's columns, in order (the segment's, less the deletion flag).
+COLUMNS = [
+    DOC_KEY, "id", "key", "text", "embedding", "topic", "partition", "offset",
+    "timestamp", "metadata",
+]  # fmt: skip
+_ORDER = ["topic", "partition", "offset", "timestamp"]
+# Rows read into one apply, at most (a segment is never split): bounds its memory.
+MAX_APPLY_ROWS = 200_000
+
+
+@dataclass
+class ViewStats:
+    applied_rows: int = 0  # segment rows read past the positions
+    upserted: int = 0
+    deleted: int = 0
+    commits: int = 0
+    seconds: float = 0.0
+
+
+def view_path(output: Path) -> Path:
+    return output / VIEW_DIR
+
+
+def has_view(output: Path) -> bool:
+    return view_path(output).is_dir()
+
+
+def _tp(topic: str, partition: int) -> str:
+    return f"{topic}:{partition}"
+
+
+def _key(tp: str) -> TopicPartitionKey:
+    topic, _, partition = tp.rpartition(":")
+    return topic, int(partition)
+
+
+class ViewStore:
+    """The current view of one local output directory."""
+
+    def __init__(self, output: Path, max_apply_rows: int = MAX_APPLY_ROWS) -> None:
+        self.output = output
+        self.path = view_path(output)
+        self.max_apply_rows = max_apply_rows
+        self.last_sync = ViewStats()
+        self.damaged: list[DamagedSegment] = []
+
+    # -- reading ------------------------------------------------------------------
+
+    def dataset(self) -> Any | None:
+        """The table at its latest version (pylance's LanceDataset); None before the
+        first apply."""
+        import lance
+
+        if not self.path.is_dir():
+            return None
+        return lance.dataset(str(self.path))
+
+    def positions(self, dataset: Any | None = None) -> dict[str, int]:
+        """The last offset applied per "topic:partition", as the latest applying commit
+        recorded it."""
+        dataset = dataset if dataset is not None else self.dataset()
+        if dataset is None:
+            return {}
+        for version in range(dataset.version, 0, -1):
+            transaction = dataset.read_transaction(version)
+            properties = transaction.transaction_properties if transaction else None
+            if properties and POSITIONS in properties:
+                return {k: int(v) for k, v in json.loads(properties[POSITIONS]).items()}
+        raise OutputError(
+            f"the view at {self.path} records no positions; remove it and a worker rebuilds it"
+        )
+
+    def live(self, where: Sequence[tuple[str, int, int]], columns: Sequence[str]) -> pa.Table:
+        """The live rows at the given (topic, partition, offset)s (those not live: absent)."""
+        dataset = self.dataset()
+        if dataset is None or not where:
+            return pa.table({c: [] for c in columns})
+        grouped: dict[tuple[str, int], list[int]] = {}
+        for topic, partition, offset in where:
+            grouped.setdefault((topic, partition), []).append(offset)
+        predicate = " OR ".join(
+            f"(topic = {_literal(t)} AND partition = {p} AND offset IN ({', '.join(map(str, o))}))"
+            for (t, p), o in grouped.items()
+        )
+        return dataset.to_table(columns=list(columns), filter=predicate)
+
+    def snapshot(self) -> tuple[dict[TopicPartitionKey, int], dict[TopicPartitionKey, np.ndarray]]:
+        """At one version: the positions, and the live offsets (sorted) per partition."""
+        dataset = self.dataset()
+        if dataset is None:
+            return {}, {}
+        positions = {_key(tp): offset for tp, offset in self.positions(dataset).items()}
+        table = dataset.to_table(columns=["topic", "partition", "offset"])
+        live: dict[TopicPartitionKey, list[np.ndarray]] = {}
+        for batch in table.to_batches():
+            frame = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in batch.schema.names}
+            for topic, partition in set(zip(frame["topic"], frame["partition"], strict=True)):
+                mask = (frame["topic"] == topic) & (frame["partition"] == partition)
+                live.setdefault((str(topic), int(partition)), []).append(frame["offset"][mask])
+        return positions, {k: np.sort(np.concatenate(v)) for k, v in live.items()}
+
+    def maintain(self, retention_s: float) -> None:
+        """Rewrites the fragments holding deleted rows without them, brings the key index
+        up to date, and removes the versions older than `retention_s` (with their files):
+        after it, no file of the table holds a row deleted before it began."""
+        with self._locked():
+            dataset = self.dataset()
+            if dataset is None:
+                return
+            dataset.optimize.compact_files(
+                materialize_deletions=True, materialize_deletions_threshold=0.0
+            )
+            self.dataset().optimize.optimize_indices()
+            # The newest version must name the positions: older ones may go below.
+            dataset = self.dataset()
+            properties = {POSITIONS: json.dumps(self.positions(dataset), sort_keys=True)}
+            empty = dataset.schema.empty_table()
+            builder = dataset.merge_insert(DOC_KEY).when_not_matched_insert_all()
+            transaction, _ = builder.execute_uncommitted(empty)
+            _commit(dataset, dataclasses.replace(transaction, transaction_properties=properties))
+            self.dataset().cleanup_old_versions(
+                older_than=timedelta(seconds=retention_s), delete_unverified=True
+            )
+
+    # -- keeping in step with the segments ---------------------------------------------
+
+    def sync(self) -> int:
+        """Applies every published segment row past the positions; returns how many rows
+        were read (0: the view was caught up)."""
+        started = time.perf_counter()
+        total = ViewStats()
+        with self._locked():
+            while True:
+                stats = self._apply_once()
+                total.applied_rows += stats.applied_rows
+                total.upserted += stats.upserted
+                total.deleted += stats.deleted
+                total.commits += stats.commits
+                if not stats.commits:
+                    break
+        total.seconds = time.perf_counter() - started
+        self.last_sync = total
+        return total.applied_rows
+
+    def _apply_once(self) -> ViewStats:
+        dataset = self.dataset()
+        positions = self.positions(dataset)
+        rows, moved = self._pending(positions)
+        if not moved:
+            return ViewStats()
+        positions.update(moved)
+        changes = latest_per_document(rows)
+        upserts = changes.filter(pc.invert(changes.column(DELETED))).select(COLUMNS)
+        deletions = changes.filter(changes.column(DELETED))
+        properties = {POSITIONS: json.dumps(positions, sort_keys=True)}
+        if dataset is None:
+            self._create(upserts, properties)
+            return ViewStats(rows.num_rows, upserts.num_rows, 0, 1)
+        gone = self._deleted_keys(dataset, deletions)
+        builder = dataset.merge_insert(DOC_KEY)
+        builder = builder.when_matched_update_all(_NEWER).when_not_matched_insert_all()
+        if gone:
+            builder = builder.when_not_matched_by_source_delete(
+                f"{DOC_KEY} IN ({', '.join(map(_literal, gone))})"
+            )
+        transaction, _ = builder.execute_uncommitted(upserts)
+        transaction = dataclasses.replace(transaction, transaction_properties=properties)
+        _commit(dataset, transaction)
+        return ViewStats(rows.num_rows, upserts.num_rows, len(gone), 1)
+
+    def _create(self, upserts: pa.Table, properties: dict[str, str]) -> None:
+        import lance
+
+        dataset = lance.write_dataset(upserts, str(self.path), transaction_properties=properties)
+        dataset.create_scalar_index(DOC_KEY, "BTREE")
+
+    def _deleted_keys(self, dataset: Any, deletions: pa.Table) -> list[str]:
+        """The documents the deletions remove: those whose live row is older than the
+        tombstone (a newer version from another partition stays)."""
+        if not deletions.num_rows:
+            return []
+        keys = deletions.column(DOC_KEY).to_pylist()
+        live = dataset.to_table(
+            columns=[DOC_KEY, *_ORDER],
+            filter=f"{DOC_KEY} IN ({', '.join(map(_literal, keys))})",
+        )
+        current = {row[DOC_KEY]: row for row in live.to_pylist()}
+        return [
+            row[DOC_KEY]
+            for row in deletions.select([DOC_KEY, *_ORDER]).to_pylist()
+            if row[DOC_KEY] in current and newer(row, current[row[DOC_KEY]])
+        ]
+
+    def _pending(self, positions: dict[str, int]) -> tuple[pa.Table, dict[str, int]]:
+        """Segment rows past the positions (whole segments, up to max_apply_rows), and
+        the positions they take each partition to."""
+        self.damaged = []
+        tables: list[pa.Table] = []
+        moved: dict[str, int] = {}
+        count = 0
+        for (topic, partition), segments in segments_by_partition(self.output).items():
+            key = _tp(topic, partition)
+            through = positions.get(key, -1)
+            for segment in _past(segments, through):
+                if count >= self.max_apply_rows:
+                    break
+                try:
+                    table, info = read_rows(segment, [*COLUMNS, DELETED])
+                except DamagedSegment as damaged:
+                    self.damaged.append(damaged)
+                    break  # this partition waits until a worker repairs it
+                except FileNotFoundError:
+                    break  # merged or moved aside meanwhile: read again next time
+                fresh = table.filter(pc.greater(table.column("offset"), through))
+                tables.append(fresh.select([*COLUMNS, DELETED]))
+                count += fresh.num_rows
+                through = max(through, info.last)
+                moved[key] = through
+        if not tables:
+            return pa.table({}), moved
+        return pa.concat_tables(tables, promote_options="permissive"), moved
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        try:
+            fh = open(self.output / LOCK_NAME, "a+b")  # noqa: SIM115 - held for the block
+        except OSError as exc:
+            raise OutputError(f"cannot use {self.output} for the view: {exc}") from exc
+        with fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+# A matched live row is replaced by the incoming version where that is newer (newer()).
+_NEWER = (
+    "(source.topic = target.topic AND source.partition = target.partition"
+    " AND source.offset > target.offset)"
+    " OR ((source.topic <> target.topic OR source.partition <> target.partition) AND"
+    " (source.timestamp > target.timestamp OR (source.timestamp = target.timestamp AND"
+    " (source.topic > target.topic OR (source.topic = target.topic"
+    " AND source.partition > target.partition)))))"
+)
+
+
+def newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether version `a` of a document supersedes version `b`: the higher offset in
+    one partition; across partitions the later timestamp, then topic, then partition."""
+    if (a["topic"], a["partition"]) == (b["topic"], b["partition"]):
+        return a["offset"] > b["offset"]
+    return (a["timestamp"], a["topic"], a["partition"]) > (
+        b["timestamp"],
+        b["topic"],
+        b["partition"],
+    )
+
+
+def latest_per_document(rows: pa.Table) -> pa.Table:
+    """One row per document: its latest version among `rows` (newer())."""
+    if not rows.num_rows:
+        return rows
+    order = rows.select([DOC_KEY, *_ORDER]).to_pylist()
+    best: dict[str, int] = {}
+    for index, row in enumerate(order):
+        held = best.get(row[DOC_KEY])
+        if held is None or newer(row, order[held]):
+            best[row[DOC_KEY]] = index
+    return rows.take(sorted(best.values()))
+
+
+def _past(segments: list[SegmentFile], through: int) -> list[SegmentFile]:
+    """The segments that may hold rows past `through` (the last one starting inside
+    may run past it), in offset order."""
+    later = [s for s in segments if s.key.first > through]
+    earlier = [s for s in segments if s.key.first <= through]
+    if earlier:
+        try:
+            if last_offset(earlier[-1]) > through:
+                later.insert(0, earlier[-1])
+        except (DamagedSegment, FileNotFoundError):
+            pass
+    return later
+
+
+def _literal(text: str) -> str:
+    """`text` as an SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _commit(dataset: Any, transaction: Any) -> None:
+    import lance
+
+    lance.LanceDataset.commit(dataset, transaction, read_version=dataset.version)
+
+
+__all__ = [
+    "COLUMNS",
+    "POSITIONS",
+    "VIEW_DIR",
+    "TopicPartitionKey",
+    "ViewStats",
+    "ViewStore",
+    "has_view",
+    "latest_per_document",
+    "newer",
+    "view_path",
+]

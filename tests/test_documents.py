@@ -1,0 +1,282 @@
+"""Upsert mode without a broker: how records name documents (pipeline.core.documents),
+the segments' document columns (sinks.parquet), and the current view (sinks.view)
+applied from them, read back with Lance's own package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lance
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.core.documents import (
+    BY_KAFKA_KEY,
+    KEY_NOT_UTF8,
+    KEY_TOO_LONG,
+    MISSING_KEY,
+    Deletion,
+    DocumentKeys,
+)
+from pipeline.core.layout import SegmentKey, iter_segments
+from pipeline.core.model_info import ModelInfo
+from pipeline.core.records import BadRecord, GoodRecord, RecordParser, SourceRecord
+from sinks.index.check import check_index
+from sinks.index.store import IndexStore
+from sinks.parquet import ParquetSink
+from sinks.purge import purge
+from sinks.segments import read_info
+from sinks.view import ViewStore, latest_per_document, newer
+
+DIM = 8
+
+
+def source(offset: int, key: bytes | None, value: bytes | None, partition: int = 0, ts: int = 0):
+    return SourceRecord("docs", partition, offset, ts, key, value)
+
+
+def parsed(keys: DocumentKeys, *sources: SourceRecord) -> list:
+    return keys.keyed([RecordParser().parse(s) for s in sources])
+
+
+# -- keying ---------------------------------------------------------------------------
+
+
+def test_a_record_is_keyed_by_its_id_then_by_its_kafka_key() -> None:
+    keys = DocumentKeys()
+    by_id, by_key = parsed(
+        keys,
+        source(0, b"k0", b'{"text": "a", "id": "doc-a"}'),
+        source(1, b"k1", b'{"text": "b"}'),
+    )
+    assert keys.key_of(by_id) == "doc-a"
+    assert keys.key_of(by_key) == "k1"
+    assert DocumentKeys(BY_KAFKA_KEY).key_of(by_id) == "k0"
+
+
+def test_a_tombstone_deletes_the_document_its_kafka_key_names() -> None:
+    (deletion,) = parsed(DocumentKeys(), source(3, b"doc-a", None))
+    assert isinstance(deletion, Deletion) and deletion.key == "doc-a"
+
+
+@pytest.mark.parametrize(
+    ("record", "error_class"),
+    [
+        (source(0, None, None), MISSING_KEY),  # a tombstone without a key
+        (source(0, None, b'{"text": "a"}'), MISSING_KEY),  # no id, no key
+        (source(0, b"", b'{"text": "a"}'), MISSING_KEY),
+        (source(0, b"\xff\xfe", None), KEY_NOT_UTF8),
+        (source(0, b"k" * 1025, b'{"text": "a"}'), KEY_TOO_LONG),
+        (source(0, b"k", b'{"text": "a", "id": "' + b"i" * 2000 + b'"}'), KEY_TOO_LONG),
+    ],
+)
+def test_a_record_naming_no_usable_document_is_a_bad_record(record, error_class) -> None:
+    (bad,) = parsed(DocumentKeys(), record)
+    assert isinstance(bad, BadRecord) and bad.error_class == error_class
+    assert bad.message
+
+
+def test_other_bad_records_stay_as_the_parser_judged_them() -> None:
+    (bad,) = parsed(DocumentKeys(), source(0, b"k", b"not json"))
+    assert isinstance(bad, BadRecord) and bad.error_class == "InvalidJson"
+
+
+# -- segments and the view ------------------------------------------------------------
+
+
+def model_info() -> ModelInfo:
+    return ModelInfo(
+        "test-model", "/m", "sha256:feedfacefeedface", DIM, "mean", True, 256, "fp32", "cpu",
+        similarity="cosine",
+    )  # fmt: skip
+
+
+class Upserts:
+    """An upsert-mode output written by the real sink, one segment per `write` call."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.keys = DocumentKeys()
+        self.sink = ParquetSink(root, model_info(), self.keys)
+        self.sink.prepare()
+        self.next: dict[int, int] = {}
+        self.rng = np.random.default_rng(7)
+        self.vectors: dict[tuple[int, int], np.ndarray] = {}
+
+    def write(self, *changes: tuple[str, str | None], partition: int = 0, ts: int = 0) -> None:
+        """(document key, text) pairs; text None is a tombstone."""
+        first = self.next.get(partition, 0)
+        sources = [
+            source(first + i, k.encode(), None if t is None else f'{{"text": "{t}"}}'.encode(),
+                   partition, ts)
+            for i, (k, t) in enumerate(changes)
+        ]  # fmt: skip
+        records = self.keys.keyed([RecordParser().parse(s) for s in sources])
+        good = [r for r in records if isinstance(r, GoodRecord)]
+        deletions = [r for r in records if isinstance(r, Deletion)]
+        vectors = self.rng.standard_normal((len(good), DIM)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        for record, vector in zip(good, vectors, strict=True):
+            self.vectors[(partition, record.source.offset)] = vector
+        last = first + len(changes) - 1
+        staged = self.sink.stage(
+            SegmentKey("docs", partition, first), last, good, vectors,
+            consumed=len(changes), deletions=deletions,
+        )  # fmt: skip
+        assert self.sink.publish(staged)
+        self.next[partition] = last + 1
+
+    def view(self) -> dict[str, dict]:
+        table = lance.dataset(str(self.root / "current")).to_table()
+        rows = table.to_pylist()
+        assert len(rows) == len({r["doc_key"] for r in rows}), "one row per document"
+        return {r["doc_key"]: r for r in rows}
+
+
+def test_a_segment_holds_every_offset_with_its_document(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    out.write(("a", "one"), ("b", None), ("a", "two"))
+    (segment,) = iter_segments(tmp_path)
+    table = pq.read_table(segment.path)
+    assert table.column("offset").to_pylist() == [0, 1, 2]
+    assert table.column("doc_key").to_pylist() == ["a", "b", "a"]
+    assert table.column("deleted").to_pylist() == [False, True, False]
+    assert table.column("text").to_pylist() == ["one", "", "two"]
+    assert not np.any(np.stack(table.column("embedding").to_numpy(zero_copy_only=False))[1])
+
+
+def test_the_view_holds_the_latest_version_of_each_live_document(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    view = ViewStore(tmp_path)
+    out.write(("doc1", "pasta on Mondays"), ("doc2", "salary records"), ("doc1", "curry"))
+    out.write(("doc2", None), ("doc3", "third"))
+    assert view.sync() == 5
+    rows = out.view()
+    assert sorted(rows) == ["doc1", "doc3"]
+    assert rows["doc1"]["text"] == "curry" and rows["doc1"]["offset"] == 2
+    np.testing.assert_array_equal(np.array(rows["doc1"]["embedding"]), out.vectors[(0, 2)])
+    assert view.sync() == 0  # caught up: nothing applied twice
+    # A deleted key may come back; a later update supersedes; a later delete removes.
+    out.write(("doc2", "back again"), ("doc3", None), ("doc1", "soup"))
+    view.sync()
+    rows = out.view()
+    assert {k: r["text"] for k, r in rows.items()} == {"doc1": "soup", "doc2": "back again"}
+    assert view.positions() == {"docs:0": 7}
+
+
+def test_each_apply_is_one_commit_that_records_its_positions(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    out.write(("a", "x"), ("b", "y"))
+    ViewStore(tmp_path).sync()
+    out.write(("a", None), ("b", "z"), ("c", "w"))
+    ViewStore(tmp_path).sync()
+    dataset = lance.dataset(str(tmp_path / "current"))
+    before = dataset.checkout_version(dataset.version - 1).to_table().to_pylist()
+    assert sorted(r["doc_key"] for r in before) == ["a", "b"]  # never half a batch
+    assert sorted(r["doc_key"] for r in dataset.to_table().to_pylist()) == ["b", "c"]
+
+
+def test_a_view_applied_in_small_steps_equals_one_applied_at_once(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    whole, steps = Upserts(tmp_path / "whole"), Upserts(tmp_path / "steps")
+    for batch in range(12):
+        changes = [
+            (f"k{rng.integers(20)}", None if rng.random() < 0.2 else f"v{batch}-{i}")
+            for i in range(int(rng.integers(1, 9)))
+        ]
+        for out in (whole, steps):
+            out.write(*changes)
+        ViewStore(tmp_path / "steps", max_apply_rows=3).sync()
+    ViewStore(tmp_path / "whole").sync()
+    expected: dict[str, str] = {}
+    for segment in sorted(iter_segments(tmp_path / "whole"), key=lambda s: s.key.first):
+        for row in pq.read_table(segment.path).to_pylist():
+            if row["deleted"]:
+                expected.pop(row["doc_key"], None)
+            else:
+                expected[row["doc_key"]] = row["text"]
+    for out in (whole, steps):
+        assert {k: r["text"] for k, r in out.view().items()} == expected
+
+
+def test_across_partitions_the_later_timestamp_wins_whatever_the_order_applied(
+    tmp_path: Path,
+) -> None:
+    out = Upserts(tmp_path)
+    out.write(("doc", "newer"), partition=1, ts=2_000)
+    ViewStore(tmp_path).sync()
+    out.write(("doc", "older"), partition=0, ts=1_000)
+    out.write(("doc", None), partition=0, ts=1_500)  # older than the live version too
+    ViewStore(tmp_path).sync()
+    assert out.view()["doc"]["text"] == "newer"
+
+
+def test_newer_orders_by_offset_in_a_partition_and_by_time_across() -> None:
+    row = {"topic": "t", "partition": 0, "offset": 5, "timestamp": 100}
+    assert newer(dict(row, offset=6, timestamp=1), row)
+    assert newer(dict(row, partition=1, timestamp=101), row)
+    assert not newer(dict(row, partition=1, timestamp=99, offset=99), row)
+    assert newer(dict(row, partition=1), row)  # a tie: the larger partition
+    assert latest_per_document  # used by the view; exercised above
+
+
+def test_the_index_leaves_deletions_out(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    out.write(("a", "x"), ("b", None), ("c", "y"))
+    assert IndexStore(tmp_path).sync() == 2
+    assert check_index(tmp_path).ok
+
+
+def test_live_finds_only_the_live_versions(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    out.write(("a", "old"), ("b", "gone"), ("a", "new"), ("b", None), ("it's", "quoted"))
+    view = ViewStore(tmp_path)
+    view.sync()
+    live = view.live([("docs", 0, o) for o in range(5)], ["doc_key", "offset", "text"])
+    assert sorted(live.to_pylist(), key=lambda r: r["offset"]) == [
+        {"doc_key": "a", "offset": 2, "text": "new"},
+        {"doc_key": "it's", "offset": 4, "text": "quoted"},
+    ]
+
+
+# -- erasure --------------------------------------------------------------------------
+
+
+def file_bytes(root: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in root.rglob("*") if p.is_file())
+
+
+def test_purge_erases_superseded_and_deleted_documents_from_every_file(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    secret, stale = "salary-records-room-12", "pasta-on-mondays"
+    out.write(("doc1", stale), ("doc2", secret), ("doc3", "kept"))
+    out.write(("doc1", "curry-on-mondays"), ("doc2", None))
+    ViewStore(tmp_path).sync()
+    IndexStore(tmp_path).sync()
+    erased_vectors = [out.vectors[(0, 0)], out.vectors[(0, 1)]]
+    report = purge(tmp_path)
+    assert report.erased_rows == 3  # doc1's first version, doc2, doc2's tombstone
+    assert report.live_documents == 2 and report.index_vectors == 2
+    # No file holds an erased text or vector, however it is read.
+    for segment in iter_segments(tmp_path):
+        table = pq.read_table(segment.path)
+        assert not {secret, stale} & set(table.column("text").to_pylist())
+        assert sorted(table.column("offset").to_pylist()) == [2, 3]
+    raw = file_bytes(tmp_path)
+    for text in (secret, stale):
+        assert text.encode() not in raw
+    for vector in erased_vectors:
+        assert vector.astype(np.float32).tobytes() not in raw
+    dataset = lance.dataset(str(tmp_path / "current"))
+    assert len(dataset.versions()) == 1
+    assert sorted(r["doc_key"] for r in dataset.to_table().to_pylist()) == ["doc1", "doc3"]
+    assert check_index(tmp_path).ok
+    # Offsets stay accounted for: the footers name the purged ones.
+    (info,) = [read_info(s) for s in iter_segments(tmp_path)]
+    assert info.purged == ((0, 1), (4, 4)) and info.records == 5 and info.dead_lettered == 0
+    # The view and index go on from there; a second purge finds nothing more.
+    out.write(("doc2", "back"))
+    ViewStore(tmp_path).sync()
+    assert purge(tmp_path).erased_rows == 0
+    assert sorted(out.view()) == ["doc1", "doc2", "doc3"]
