@@ -105,7 +105,8 @@ class Worker:
         # The worker only adds to the index; `pipeline search` chooses the GPU.
         self.index = IndexStore(config.output)
         # Upsert mode's current view (sinks.view), kept by a stage of its own.
-        self.view = ViewStore(config.output) if self.documents is not None else None
+        view_index = IndexStore(config.output)  # the view stage's own: a thread apart
+        self.view = ViewStore(config.output, index=view_index) if self.documents else None
         self.dead_letter = DeadLetterSink(
             config.kafka, config.dead_letter_topic, timeout_s=config.liveness.broker_timeout_s
         )

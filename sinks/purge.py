@@ -14,7 +14,7 @@ more, so workers may go on writing and applying meanwhile.
    footer recording their offsets as purged (sinks.segments: the audit counts them
    as accounted for, not missing), and the swapped-aside files are removed;
 3. the index is rebuilt from the purged segments (its shard files held every
-   version);
+   version), keeping only the removals of versions still in them;
 4. the view's fragments holding deleted rows are rewritten and its versions older
    than the retention removed (default 0: erasure means now; a reader holding an
    older version open then fails and reads again).
@@ -57,13 +57,15 @@ def purge(
             "of an upsert-mode output (pipeline run --write-mode upsert)"
         )
     started = time.perf_counter()
-    view = ViewStore(output)
+    view = ViewStore(output, index=IndexStore(output))
     view.sync()
     through, keep = view.snapshot()
     compacted = compact(output, target_bytes, erase=Erasure(through, keep))
     settle(output)
     meta = IndexStore(output).saved_meta()
-    vectors = IndexStore(output, index_type=meta.index_type if meta else FLAT).rebuild()
+    rebuilt = IndexStore(output, index_type=meta.index_type if meta else FLAT)
+    vectors = rebuilt.rebuild()
+    rebuilt.prune_removed()  # the erased versions' removals are moot now
     view.maintain(retention_s)
     return PurgeReport(
         erased_rows=compacted.erased,

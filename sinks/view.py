@@ -46,7 +46,9 @@ import pyarrow.compute as pc
 from pipeline.core.documents import DELETED, DOC_KEY
 from pipeline.core.errors import OutputError
 from pipeline.core.layout import SegmentFile, TopicPartitionKey, segments_by_partition
+from sinks.index.store import IndexStore
 from sinks.segments import DamagedSegment, last_offset, read_rows
+from sinks.view_plan import ORDER, plan
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +56,38 @@ VIEW_DIR = "current"
 LOCK_NAME = ".current.lock"
 # Transaction property of each applying commit: {"topic:partition": last offset applied}.
 POSITIONS = "pipeline.positions"
+CROSS_PARTITION = "pipeline.cross_partition_keys"
+CROSS_PARTITION_EXAMPLE = "pipeline.cross_partition_example"
 # The view's columns, in order (the segment's, less the deletion flag).
 COLUMNS = [
     DOC_KEY, "id", "key", "text", "embedding", "topic", "partition", "offset",
     "timestamp", "metadata",
 ]  # fmt: skip
-_ORDER = ["topic", "partition", "offset", "timestamp"]
+_LOOKUP_KEYS = 4096  # keys per lookup of live versions (one IN list each)
 # Rows read into one apply, at most (a segment is never split): bounds its memory.
 MAX_APPLY_ROWS = 200_000
+
+
+@dataclass
+class ViewState:
+    """What each applying commit records in its transaction properties."""
+
+    positions: dict[str, int]  # "topic:partition" -> last offset applied
+    cross_partition: int = 0  # document keys seen in more than one partition, so far
+    cross_partition_example: str | None = None
+
+    @classmethod
+    def of(cls, properties: dict[str, str]) -> ViewState:
+        positions = {k: int(v) for k, v in json.loads(properties[POSITIONS]).items()}
+        seen = int(properties.get(CROSS_PARTITION, "0"))
+        return cls(positions, seen, properties.get(CROSS_PARTITION_EXAMPLE))
+
+    def properties(self) -> dict[str, str]:
+        found = {POSITIONS: json.dumps(self.positions, sort_keys=True)}
+        if self.cross_partition:
+            found[CROSS_PARTITION] = str(self.cross_partition)
+            found[CROSS_PARTITION_EXAMPLE] = self.cross_partition_example or ""
+        return found
 
 
 @dataclass
@@ -77,8 +103,9 @@ def view_path(output: Path) -> Path:
     return output / VIEW_DIR
 
 
-def has_view(output: Path) -> bool:
-    return view_path(output).is_dir()
+def has_view(output: Any) -> bool:
+    """Whether `output` (a directory, or an object store) has a current view."""
+    return isinstance(output, Path) and view_path(output).is_dir()
 
 
 def _tp(topic: str, partition: int) -> str:
@@ -93,8 +120,12 @@ def _key(tp: str) -> TopicPartitionKey:
 class ViewStore:
     """The current view of one local output directory."""
 
-    def __init__(self, output: Path, max_apply_rows: int = MAX_APPLY_ROWS) -> None:
+    def __init__(
+        self, output: Path, max_apply_rows: int = MAX_APPLY_ROWS, index: IndexStore | None = None
+    ) -> None:
+        """`index`: the index that stops serving the versions an apply supersedes."""
         self.output = output
+        self.index = index
         self.path = view_path(output)
         self.max_apply_rows = max_apply_rows
         self.last_sync = ViewStats()
@@ -114,14 +145,18 @@ class ViewStore:
     def positions(self, dataset: Any | None = None) -> dict[str, int]:
         """The last offset applied per "topic:partition", as the latest applying commit
         recorded it."""
+        return self.state(dataset).positions
+
+    def state(self, dataset: Any | None = None) -> ViewState:
+        """What the latest applying commit recorded (an empty state before the first)."""
         dataset = dataset if dataset is not None else self.dataset()
         if dataset is None:
-            return {}
+            return ViewState({})
         for version in range(dataset.version, 0, -1):
             transaction = dataset.read_transaction(version)
             properties = transaction.transaction_properties if transaction else None
             if properties and POSITIONS in properties:
-                return {k: int(v) for k, v in json.loads(properties[POSITIONS]).items()}
+                return ViewState.of(properties)
         raise OutputError(
             f"the view at {self.path} records no positions; remove it and a worker rebuilds it"
         )
@@ -169,7 +204,7 @@ class ViewStore:
             self.dataset().optimize.optimize_indices()
             # The newest version must name the positions: older ones may go below.
             dataset = self.dataset()
-            properties = {POSITIONS: json.dumps(self.positions(dataset), sort_keys=True)}
+            properties = self.state(dataset).properties()
             empty = dataset.schema.empty_table()
             builder = dataset.merge_insert(DOC_KEY).when_not_matched_insert_all()
             transaction, _ = builder.execute_uncommitted(empty)
@@ -200,29 +235,37 @@ class ViewStore:
 
     def _apply_once(self) -> ViewStats:
         dataset = self.dataset()
-        positions = self.positions(dataset)
-        rows, moved = self._pending(positions)
+        state = self.state(dataset)
+        rows, moved = self._pending(state.positions)
         if not moved:
             return ViewStats()
-        positions.update(moved)
-        changes = latest_per_document(rows)
-        upserts = changes.filter(pc.invert(changes.column(DELETED))).select(COLUMNS)
-        deletions = changes.filter(changes.column(DELETED))
-        properties = {POSITIONS: json.dumps(positions, sort_keys=True)}
+        keys = rows.column(DOC_KEY).unique().to_pylist() if rows.num_rows else []
+        change = plan(rows, self._live_versions(dataset, keys))
+        if self.index is not None:  # before the commit: a removal is never wrong early
+            self.index.remove(change.removed)
+        state.positions.update(moved)
+        state.cross_partition += len(change.cross_partition)
+        if change.cross_partition:
+            state.cross_partition_example = change.cross_partition[0]
+            log.warning(
+                "view: %d document key(s) seen in more than one partition (%r first); the "
+                "later record timestamp wins (docs/documents.md: ordering)",
+                len(change.cross_partition), change.cross_partition[0],
+            )  # fmt: skip
+        upserts = change.upserts.select(COLUMNS)
         if dataset is None:
-            self._create(upserts, properties)
+            self._create(upserts, state.properties())
             return ViewStats(rows.num_rows, upserts.num_rows, 0, 1)
-        gone = self._deleted_keys(dataset, deletions)
         builder = dataset.merge_insert(DOC_KEY)
         builder = builder.when_matched_update_all(_NEWER).when_not_matched_insert_all()
-        if gone:
+        if change.gone:
             builder = builder.when_not_matched_by_source_delete(
-                f"{DOC_KEY} IN ({', '.join(map(_literal, gone))})"
+                f"{DOC_KEY} IN ({', '.join(map(_literal, change.gone))})"
             )
         transaction, _ = builder.execute_uncommitted(upserts)
-        transaction = dataclasses.replace(transaction, transaction_properties=properties)
+        transaction = dataclasses.replace(transaction, transaction_properties=state.properties())
         _commit(dataset, transaction)
-        return ViewStats(rows.num_rows, upserts.num_rows, len(gone), 1)
+        return ViewStats(rows.num_rows, upserts.num_rows, len(change.gone), 1)
 
     def _create(self, upserts: pa.Table, properties: dict[str, str]) -> None:
         import lance
@@ -230,22 +273,16 @@ class ViewStore:
         dataset = lance.write_dataset(upserts, str(self.path), transaction_properties=properties)
         dataset.create_scalar_index(DOC_KEY, "BTREE")
 
-    def _deleted_keys(self, dataset: Any, deletions: pa.Table) -> list[str]:
-        """The documents the deletions remove: those whose live row is older than the
-        tombstone (a newer version from another partition stays)."""
-        if not deletions.num_rows:
-            return []
-        keys = deletions.column(DOC_KEY).to_pylist()
-        live = dataset.to_table(
-            columns=[DOC_KEY, *_ORDER],
-            filter=f"{DOC_KEY} IN ({', '.join(map(_literal, keys))})",
-        )
-        current = {row[DOC_KEY]: row for row in live.to_pylist()}
-        return [
-            row[DOC_KEY]
-            for row in deletions.select([DOC_KEY, *_ORDER]).to_pylist()
-            if row[DOC_KEY] in current and newer(row, current[row[DOC_KEY]])
-        ]
+    def _live_versions(self, dataset: Any | None, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The live version of each of `keys` the view holds (its ORDER columns)."""
+        if dataset is None or not keys:
+            return {}
+        found: dict[str, dict[str, Any]] = {}
+        for start in range(0, len(keys), _LOOKUP_KEYS):
+            chunk = ", ".join(map(_literal, keys[start : start + _LOOKUP_KEYS]))
+            table = dataset.to_table(columns=[DOC_KEY, *ORDER], filter=f"{DOC_KEY} IN ({chunk})")
+            found.update((row[DOC_KEY], row) for row in table.to_pylist())
+        return found
 
     def _pending(self, positions: dict[str, int]) -> tuple[pa.Table, dict[str, int]]:
         """Segment rows past the positions (whole segments, up to max_apply_rows), and
@@ -301,31 +338,6 @@ _NEWER = (
 )
 
 
-def newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether version `a` of a document supersedes version `b`: the higher offset in
-    one partition; across partitions the later timestamp, then topic, then partition."""
-    if (a["topic"], a["partition"]) == (b["topic"], b["partition"]):
-        return a["offset"] > b["offset"]
-    return (a["timestamp"], a["topic"], a["partition"]) > (
-        b["timestamp"],
-        b["topic"],
-        b["partition"],
-    )
-
-
-def latest_per_document(rows: pa.Table) -> pa.Table:
-    """One row per document: its latest version among `rows` (newer())."""
-    if not rows.num_rows:
-        return rows
-    order = rows.select([DOC_KEY, *_ORDER]).to_pylist()
-    best: dict[str, int] = {}
-    for index, row in enumerate(order):
-        held = best.get(row[DOC_KEY])
-        if held is None or newer(row, order[held]):
-            best[row[DOC_KEY]] = index
-    return rows.take(sorted(best.values()))
-
-
 def _past(segments: list[SegmentFile], through: int) -> list[SegmentFile]:
     """The segments that may hold rows past `through` (the last one starting inside
     may run past it), in offset order."""
@@ -349,17 +361,3 @@ def _commit(dataset: Any, transaction: Any) -> None:
     import lance
 
     lance.LanceDataset.commit(dataset, transaction, read_version=dataset.version)
-
-
-__all__ = [
-    "COLUMNS",
-    "POSITIONS",
-    "VIEW_DIR",
-    "TopicPartitionKey",
-    "ViewStats",
-    "ViewStore",
-    "has_view",
-    "latest_per_document",
-    "newer",
-    "view_path",
-]

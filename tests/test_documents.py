@@ -23,11 +23,12 @@ from pipeline.core.layout import SegmentKey, iter_segments
 from pipeline.core.model_info import ModelInfo
 from pipeline.core.records import BadRecord, GoodRecord, RecordParser, SourceRecord
 from sinks.index.check import check_index
-from sinks.index.store import IndexStore
+from sinks.index.store import IndexStore, decode_id
 from sinks.parquet import ParquetSink
 from sinks.purge import purge
 from sinks.segments import read_info
-from sinks.view import ViewStore, latest_per_document, newer
+from sinks.view import ViewStore
+from sinks.view_plan import newer
 
 DIM = 8
 
@@ -218,7 +219,6 @@ def test_newer_orders_by_offset_in_a_partition_and_by_time_across() -> None:
     assert newer(dict(row, partition=1, timestamp=101), row)
     assert not newer(dict(row, partition=1, timestamp=99, offset=99), row)
     assert newer(dict(row, partition=1), row)  # a tie: the larger partition
-    assert latest_per_document  # used by the view; exercised above
 
 
 def test_the_index_leaves_deletions_out(tmp_path: Path) -> None:
@@ -226,6 +226,54 @@ def test_the_index_leaves_deletions_out(tmp_path: Path) -> None:
     out.write(("a", "x"), ("b", None), ("c", "y"))
     assert IndexStore(tmp_path).sync() == 2
     assert check_index(tmp_path).ok
+
+
+def served(root: Path) -> list[int]:
+    store = IndexStore(root)
+    store.load()
+    return sorted(decode_id(int(i))[2] for i in store.ids())
+
+
+@pytest.mark.parametrize("index_first", [True, False])
+def test_the_index_serves_the_live_versions_only(tmp_path: Path, index_first: bool) -> None:
+    out = Upserts(tmp_path)
+    view = ViewStore(tmp_path, index=IndexStore(tmp_path))
+    out.write(("a", "a1"), ("b", "b1"), ("c", "c1"))
+    out.write(("a", "a2"), ("b", None), ("a", "a3"), ("d", "d1"))
+    if index_first:
+        IndexStore(tmp_path).sync()
+    view.sync()  # records the removals, whether the index holds those vectors yet or not
+    IndexStore(tmp_path).sync()
+    assert served(tmp_path) == [2, 5, 6]  # c1, a3, d1
+    store = IndexStore(tmp_path)
+    store.load()
+    assert store.ntotal == 3
+    report = check_index(tmp_path)
+    assert report.ok and report.vectors == 3
+    # A rebuild from the segments keeps them removed.
+    IndexStore(tmp_path).rebuild()
+    assert served(tmp_path) == [2, 5, 6] and check_index(tmp_path).ok
+
+
+def test_index_check_finds_a_superseded_version_still_served(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    out.write(("a", "a1"), ("a", "a2"))
+    IndexStore(tmp_path).sync()
+    ViewStore(tmp_path).sync()  # a view that does not tell the index
+    report = check_index(tmp_path)
+    assert not report.ok and report.extra == 1
+
+
+def test_many_removals_are_merged_into_one_file(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    view = ViewStore(tmp_path, index=IndexStore(tmp_path))
+    for n in range(20):
+        out.write(("a", f"a{n}"), ("b", f"b{n}"))
+        view.sync()
+    IndexStore(tmp_path).sync()
+    meta = IndexStore(tmp_path).saved_meta()
+    assert meta is not None and len(meta.removed) <= 16
+    assert served(tmp_path) == [38, 39] and check_index(tmp_path).ok
 
 
 def test_live_finds_only_the_live_versions(tmp_path: Path) -> None:
@@ -252,7 +300,7 @@ def test_purge_erases_superseded_and_deleted_documents_from_every_file(tmp_path:
     secret, stale = "salary-records-room-12", "pasta-on-mondays"
     out.write(("doc1", stale), ("doc2", secret), ("doc3", "kept"))
     out.write(("doc1", "curry-on-mondays"), ("doc2", None))
-    ViewStore(tmp_path).sync()
+    ViewStore(tmp_path, index=IndexStore(tmp_path)).sync()
     IndexStore(tmp_path).sync()
     erased_vectors = [out.vectors[(0, 0)], out.vectors[(0, 1)]]
     report = purge(tmp_path)

@@ -18,6 +18,7 @@ from pipeline.core.errors import ConfigError, TopicMissing
 from pipeline.core.layout import describe, has_vectors
 from pipeline.kafka import cluster, record_batches
 from sinks.segments import pending_notes
+from sinks.view import ViewStore, has_view
 
 
 def run_audit(
@@ -78,6 +79,7 @@ def run_audit(
         ]
     warnings.extend(_dead_letter_warnings(dead))
     warnings.extend(_quarantine_warnings(output, names))
+    warnings.extend(_document_warnings(output))
     return audit_report(group, names, output, dead, audits, warnings)
 
 
@@ -136,6 +138,20 @@ def _dead_letter_warnings(dead: DeadLetters) -> list[str]:
     if dead.without_source:
         found.append(f"{dead.without_source} record(s) in {dead.topic} have no source.* headers")
     return found
+
+
+def _document_warnings(output: Path) -> list[str]:
+    """Upsert mode: document keys the current view saw in more than one partition."""
+    if not has_view(output):
+        return []
+    state = ViewStore(output).state()
+    if not state.cross_partition:
+        return []
+    return [
+        f"{state.cross_partition} document key(s) were seen in more than one partition "
+        f"({state.cross_partition_example!r} first): their latest version is decided by record "
+        "timestamp, not offset; key records by document (docs/documents.md: ordering)"
+    ]
 
 
 def _quarantine_warnings(output: Path, topics: Sequence[str]) -> list[str]:

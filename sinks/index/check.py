@@ -1,4 +1,6 @@
-"""`pipeline index check`: the index against the Parquet files, read independently.
+"""`pipeline index check`: the index against the Parquet files, read independently
+(and in upsert mode against the current view: the versions it has superseded or
+deleted must not be served).
 
 Every id in the shard files is compared with the (topic, partition, offset) of
 every Parquet row the index claims to cover (offsets up to its coverage): none
@@ -22,6 +24,7 @@ from sinks.index.shards import table_vectors
 from sinks.index.store import IndexMeta, IndexStore, encode_id
 from sinks.index.trained import RECALL_QUERIES, ExactTopK, training_sample
 from sinks.segments import read_table
+from sinks.view import ViewStore, has_view
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ def _covered_row_ids(
 ) -> tuple[np.ndarray, int]:
     parts = [np.empty(0, dtype=np.int64)]
     uncovered = 0
+    # Upsert mode: rows the current view has judged are expected only if live there.
+    judged, live = ViewStore(output).snapshot() if has_view(output) else ({}, {})
     for (topic, partition), segments in segments_by_partition(output).items():
         through = covered.get(f"{topic}:{partition}", -1)
         for segment in segments:
@@ -118,6 +123,9 @@ def _covered_row_ids(
             offsets_np = table.column("offset").to_numpy().astype(np.int64)
             if DELETED in table.column_names:  # upsert mode: a deletion's row has no vector
                 offsets_np = offsets_np[~table.column(DELETED).to_numpy(zero_copy_only=False)]
+                seen = offsets_np <= judged.get((topic, partition), -1)
+                alive = np.isin(offsets_np, live.get((topic, partition), offsets_np[:0]))
+                offsets_np = offsets_np[~seen | alive]
             inside = offsets_np[offsets_np <= through]
             uncovered += len(offsets_np) - len(inside)
             if len(inside):  # a covered partition's topic has a number

@@ -54,7 +54,10 @@ INDEX_TYPES = (FLAT, IVF, IVF_PQ)
 # while the vector grows). 32 MiB is ~21,000 vectors of 384 floats.
 SHARD_CAP_BYTES = 32 << 20
 MERGE_FANOUT = 8
-_INDEX_FILE = re.compile(r"^(?:shard|index|ivf|ivf-pq)-\d{8}(?:-\d{4,})?(?:-[0-9a-z_.]+)?\.faiss$")
+_INDEX_FILE = re.compile(
+    r"^(?:(?:shard|index|ivf|ivf-pq)-\d{8}(?:-\d{4,})?(?:-[0-9a-z_.]+)?\.faiss"
+    r"|removed-\d{8}-\d{4,}(?:-[0-9a-z_.]+)?\.npy)$"
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,17 @@ class IndexMeta:
     # The similarity it searches by (sinks.index.metric); None: built before it was
     # recorded, an inner product over the stored vectors.
     similarity: str | None = None
+    # Files of ids no longer served (upsert mode: sinks.index.removed).
+    removed: list[Shard] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        """Every file this generation names: its shards and its removals."""
+        return [s.file for s in self.shards] + [r.file for r in self.removed]
+
+    @property
+    def removed_total(self) -> int:
+        return sum(r.count for r in self.removed)
 
     @property
     def metric(self) -> int:
@@ -118,6 +132,9 @@ class IndexMeta:
             shards = []
         recall = data.get("recall_at_10")
         similarity = metrics.checked(data.get("similarity"))
+        removed = [
+            Shard(str(r["file"]), int(r["count"]), str(r["kind"])) for r in data.get("removed", [])
+        ]
         return cls(
             dim=int(data["dim"]),
             index_type=index_type,
@@ -129,7 +146,33 @@ class IndexMeta:
             shards=shards,
             recall_at_10=None if recall is None else float(recall),
             similarity=similarity,
+            removed=removed,
         )
+
+
+# -- ids ------------------------------------------------------------------------------
+
+_TOPIC_SHIFT = 56
+_PARTITION_SHIFT = 40
+_MAX_TOPICS = 1 << 7
+_MAX_PARTITIONS = 1 << 16
+_OFFSET_MASK = (1 << _PARTITION_SHIFT) - 1
+
+
+def encode_id(topic_no: int, partition: int, offset: int) -> int:
+    if not (0 <= topic_no < _MAX_TOPICS and 0 <= partition < _MAX_PARTITIONS):
+        raise IndexStateError(f"topic #{topic_no} partition {partition} does not fit an index id")
+    if not 0 <= offset <= _OFFSET_MASK:
+        raise IndexStateError(f"offset {offset} does not fit an index id")
+    return (topic_no << _TOPIC_SHIFT) | (partition << _PARTITION_SHIFT) | offset
+
+
+def decode_id(vector_id: int) -> tuple[int, int, int]:
+    return (
+        vector_id >> _TOPIC_SHIFT,
+        (vector_id >> _PARTITION_SHIFT) & (_MAX_PARTITIONS - 1),
+        vector_id & _OFFSET_MASK,
+    )
 
 
 # -- shard files ---------------------------------------------------------------------

@@ -63,6 +63,7 @@ from pipeline.core.retry import retry
 from sinks.index import metric as metrics
 from sinks.index.files import index_files
 from sinks.index.flat_files import faiss_flat, flat_file_bytes, merge_flat_files
+from sinks.index.removed import Removals
 from sinks.index.shards import (
     FLAT,
     INDEX_TYPES,
@@ -74,6 +75,8 @@ from sinks.index.shards import (
     VectorSink,
     cap_vectors,
     contents,
+    decode_id,
+    encode_id,
     ids_of,
     next_merge,
     read_index_file,
@@ -87,11 +90,6 @@ __all__ = ["INDEX_TYPES", "Hit", "IndexMeta", "IndexStore", "SyncStats", "decode
 
 log = logging.getLogger(__name__)
 
-_TOPIC_SHIFT = 56
-_PARTITION_SHIFT = 40
-_MAX_TOPICS = 1 << 7
-_MAX_PARTITIONS = 1 << 16
-_OFFSET_MASK = (1 << _PARTITION_SHIFT) - 1
 # Commits a sync may lose in a row to other writers before it gives up (object stores);
 # the backoff grows, so a loaded machine with several writers still gets through.
 _COMMIT_ATTEMPTS = 20
@@ -102,22 +100,6 @@ def _commit_pause(tries: int) -> float:  # random: writers that lost together pa
 
 
 T = TypeVar("T")
-
-
-def encode_id(topic_no: int, partition: int, offset: int) -> int:
-    if not (0 <= topic_no < _MAX_TOPICS and 0 <= partition < _MAX_PARTITIONS):
-        raise IndexStateError(f"topic #{topic_no} partition {partition} does not fit an index id")
-    if not 0 <= offset <= _OFFSET_MASK:
-        raise IndexStateError(f"offset {offset} does not fit an index id")
-    return (topic_no << _TOPIC_SHIFT) | (partition << _PARTITION_SHIFT) | offset
-
-
-def decode_id(vector_id: int) -> tuple[int, int, int]:
-    return (
-        vector_id >> _TOPIC_SHIFT,
-        (vector_id >> _PARTITION_SHIFT) & (_MAX_PARTITIONS - 1),
-        vector_id & _OFFSET_MASK,
-    )
 
 
 def _key(topic: str, partition: int) -> str:
@@ -132,7 +114,7 @@ class Hit:
     offset: int
 
 
-class IndexStore:
+class IndexStore(Removals):
     """The index of one output directory: syncs from Parquet, loads for search."""
 
     def __init__(
@@ -233,6 +215,7 @@ class IndexStore:
             except IndexStateError:
                 previous = None
             self._carried_topics = dict(previous.topics) if previous else {}
+            carried_removed = list(previous.removed) if previous else []
             names = FileNames((previous.generation if previous else 0) + 1, self._tag)
             self._index, self._meta, self.damaged = None, None, []
             self._new_resolved = False
@@ -255,6 +238,7 @@ class IndexStore:
                     f"no Parquet files under {describe(self.output)}/vectors to index"
                 )
             self._meta.shards = sink.finish()
+            self._meta.removed = carried_removed  # removed versions stay removed
             if isinstance(sink, TrainedBuilder):
                 self._meta.recall_at_10 = sink.recall_at_10()
             self._commit(self._meta, names.generation, stats)
@@ -432,10 +416,10 @@ class IndexStore:
         the previous list naming the previous files, intact."""
         meta.generation = generation
         text = meta.to_json()
-        if not self.files.commit(text, generation, [s.file for s in meta.shards]):
+        if not self.files.commit(text, generation, meta.files):
             raise _LostCommit
         stats.bytes_written += len(text)
-        self.files.remove_unlisted({s.file for s in meta.shards})
+        self.files.remove_unlisted(set(meta.files))
 
     def _read_shard(self, shard: Shard, meta: IndexMeta) -> Any:
         try:
@@ -489,6 +473,10 @@ class IndexStore:
             ids = np.concatenate([i for _, i in parts])
             parts.clear()
             index.add_with_ids(vectors, ids)
+        if meta.removed:
+            import faiss
+
+            index.remove_ids(faiss.IDSelectorBatch(self.removed_ids(meta)))
         return index
 
     def ids(self) -> np.ndarray:
@@ -505,8 +493,10 @@ class IndexStore:
             return None, np.empty(0, dtype=np.int64), 0
         sizes = self.files.sizes()
         parts = [ids_of(self._read_shard(s, meta)) for s in meta.shards]
-        size = sum(sizes.get(s.file, 0) for s in meta.shards)
+        size = sum(sizes.get(name, 0) for name in meta.files)
         ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if meta.removed:  # the ids it serves
+            ids = ids[~np.isin(ids, self.removed_ids(meta))]
         return meta, ids, size
 
     @property
