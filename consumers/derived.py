@@ -10,6 +10,7 @@ import logging
 from pipeline.core.metrics import WorkerMetrics
 from sinks.index.store import IndexStore
 from sinks.view import ViewStore
+from sinks.view_lock import LEASE_S
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,10 @@ def catch_up(
         metrics.index_vectors.set(index.meta.count)
     if starting and added:
         log.info("index caught up with %d vectors from existing Parquet files", added)
-    applied = view.sync() if view is not None else 0
+    # At exit, the view is complete too: a lease another worker held (one killed holds
+    # it to its end) is waited for.
+    applied = view.sync(wait_s=0.0 if starting else LEASE_S + 10) if view is not None else 0
     if starting and applied:
         log.info("view caught up with %d existing Parquet rows", applied)
+    if view is not None and not starting:
+        view.close()

@@ -233,6 +233,22 @@ class ObjectStore:
         # the client is thread-safe and the store holds nothing a copy should not.
         return self
 
+    def connection_options(self) -> dict[str, str]:
+        """The endpoint, region and credentials, as object_store's (Rust) S3 options:
+        for libraries that open the bucket themselves (Lance, for the current view)."""
+        options = {"aws_region": self.region}
+        if self.endpoint:
+            options["aws_endpoint"] = self.endpoint
+            options["allow_http"] = str(self.endpoint.startswith("http://")).lower()
+        credentials = self._session.get_credentials()
+        if credentials is not None:
+            frozen = credentials.get_frozen_credentials()
+            options["aws_access_key_id"] = frozen.access_key
+            options["aws_secret_access_key"] = frozen.secret_key
+            if frozen.token:
+                options["aws_session_token"] = frozen.token
+        return options
+
     def full_key(self, key: str) -> str:
         """The bucket key for `key` (relative to the prefix)."""
         if not key or key.startswith("/") or key.endswith("/"):

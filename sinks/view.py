@@ -21,19 +21,17 @@ rewrites every file a change touches (the measurement: docs/documents.md).
 Lance was chosen over Delta Lake by that measurement; readers: pylance, Polars and
 DuckDB through `lance.dataset(...)` (an Arrow dataset), Spark through lance-spark.
 
-Appliers take turns on a lock file beside the table (local outputs); so do the
-purge's rewrites of the table (`maintain`).
+Appliers take turns (sinks.view_lock): a lock file beside the table on a local
+output, a lease on an object store; so do the purge's rewrites (`maintain`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,9 +43,10 @@ import pyarrow.compute as pc
 
 from pipeline.core.documents import DELETED, DOC_KEY
 from pipeline.core.errors import OutputError
-from pipeline.core.layout import SegmentFile, TopicPartitionKey, segments_by_partition
+from pipeline.core.layout import Output, SegmentFile, TopicPartitionKey, segments_by_partition
 from sinks.index.store import IndexStore
 from sinks.segments import DamagedSegment, last_offset, read_rows
+from sinks.view_lock import LocalLock, StoreLease
 from sinks.view_plan import ORDER, plan
 
 log = logging.getLogger(__name__)
@@ -103,9 +102,11 @@ def view_path(output: Path) -> Path:
     return output / VIEW_DIR
 
 
-def has_view(output: Any) -> bool:
+def has_view(output: Output) -> bool:
     """Whether `output` (a directory, or an object store) has a current view."""
-    return isinstance(output, Path) and view_path(output).is_dir()
+    if isinstance(output, Path):
+        return view_path(output).is_dir()
+    return next(iter(output.list(f"{VIEW_DIR}/_versions/", page_size=1)), None) is not None
 
 
 def _tp(topic: str, partition: int) -> str:
@@ -118,15 +119,22 @@ def _key(tp: str) -> TopicPartitionKey:
 
 
 class ViewStore:
-    """The current view of one local output directory."""
+    """The current view of one output: a local directory, or an object store."""
 
     def __init__(
-        self, output: Path, max_apply_rows: int = MAX_APPLY_ROWS, index: IndexStore | None = None
+        self, output: Output, max_apply_rows: int = MAX_APPLY_ROWS, index: IndexStore | None = None
     ) -> None:
         """`index`: the index that stops serving the versions an apply supersedes."""
         self.output = output
         self.index = index
-        self.path = view_path(output)
+        if isinstance(output, Path):
+            self.uri, self.options = str(view_path(output)), None
+            self.lock: LocalLock | StoreLease = LocalLock(output / LOCK_NAME)
+        else:
+            self.uri = f"{output.url.rstrip('/')}/{VIEW_DIR}"
+            self.options = output.connection_options()
+            self.lock = StoreLease(output)
+        self.path = self.uri  # where, in messages
         self.max_apply_rows = max_apply_rows
         self.last_sync = ViewStats()
         self.damaged: list[DamagedSegment] = []
@@ -138,9 +146,9 @@ class ViewStore:
         first apply."""
         import lance
 
-        if not self.path.is_dir():
+        if not has_view(self.output):
             return None
-        return lance.dataset(str(self.path))
+        return lance.dataset(self.uri, storage_options=self.options)
 
     def positions(self, dataset: Any | None = None) -> dict[str, int]:
         """The last offset applied per "topic:partition", as the latest applying commit
@@ -194,10 +202,12 @@ class ViewStore:
         """Rewrites the fragments holding deleted rows without them, brings the key index
         up to date, and removes the versions older than `retention_s` (with their files):
         after it, no file of the table holds a row deleted before it began."""
-        with self._locked():
+        with self.lock.held() as held:
             dataset = self.dataset()
             if dataset is None:
                 return
+            if not held:
+                raise OutputError(f"another worker holds the view at {self.uri}; try again")
             dataset.optimize.compact_files(
                 materialize_deletions=True, materialize_deletions_threshold=0.0
             )
@@ -208,21 +218,31 @@ class ViewStore:
             empty = dataset.schema.empty_table()
             builder = dataset.merge_insert(DOC_KEY).when_not_matched_insert_all()
             transaction, _ = builder.execute_uncommitted(empty)
-            _commit(dataset, dataclasses.replace(transaction, transaction_properties=properties))
+            properties_only = dataclasses.replace(transaction, transaction_properties=properties)
+            _commit(dataset, properties_only, self.lock)
             self.dataset().cleanup_old_versions(
                 older_than=timedelta(seconds=retention_s), delete_unverified=True
             )
 
+    def close(self) -> None:
+        """Gives the lease up (object stores), so that another worker applies at once."""
+        self.lock.release()
+
     # -- keeping in step with the segments ---------------------------------------------
 
-    def sync(self) -> int:
+    def sync(self, wait_s: float = 0.0) -> int:
         """Applies every published segment row past the positions; returns how many rows
-        were read (0: the view was caught up)."""
+        were read (0: the view was caught up, or another worker holds it: waited for up
+        to `wait_s`)."""
         started = time.perf_counter()
         total = ViewStats()
-        with self._locked():
-            while True:
-                stats = self._apply_once()
+        with self.lock.held(wait_s) as held:
+            while held and self.lock.renew():
+                try:
+                    stats = self._apply_once()
+                except _LeaseLost:
+                    log.warning("view: the lease ran out during an apply; it is dropped")
+                    break
                 total.applied_rows += stats.applied_rows
                 total.upserted += stats.upserted
                 total.deleted += stats.deleted
@@ -264,13 +284,15 @@ class ViewStore:
             )
         transaction, _ = builder.execute_uncommitted(upserts)
         transaction = dataclasses.replace(transaction, transaction_properties=state.properties())
-        _commit(dataset, transaction)
+        _commit(dataset, transaction, self.lock)
         return ViewStats(rows.num_rows, upserts.num_rows, len(change.gone), 1)
 
     def _create(self, upserts: pa.Table, properties: dict[str, str]) -> None:
         import lance
 
-        dataset = lance.write_dataset(upserts, str(self.path), transaction_properties=properties)
+        dataset = lance.write_dataset(
+            upserts, self.uri, storage_options=self.options, transaction_properties=properties
+        )
         dataset.create_scalar_index(DOC_KEY, "BTREE")
 
     def _live_versions(self, dataset: Any | None, keys: list[str]) -> dict[str, dict[str, Any]]:
@@ -313,19 +335,6 @@ class ViewStore:
             return pa.table({}), moved
         return pa.concat_tables(tables, promote_options="permissive"), moved
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        try:
-            fh = open(self.output / LOCK_NAME, "a+b")  # noqa: SIM115 - held for the block
-        except OSError as exc:
-            raise OutputError(f"cannot use {self.output} for the view: {exc}") from exc
-        with fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
 
 # A matched live row is replaced by the incoming version where that is newer (newer()).
 _NEWER = (
@@ -357,7 +366,13 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _commit(dataset: Any, transaction: Any) -> None:
+def _commit(dataset: Any, transaction: Any, lock: LocalLock | StoreLease) -> None:
     import lance
 
+    if not lock.valid():  # a worker stalled past its lease: another may be applying
+        raise _LeaseLost
     lance.LanceDataset.commit(dataset, transaction, read_version=dataset.version)
+
+
+class _LeaseLost(Exception):
+    """The view's lease expired before a commit: the apply is dropped (and redone)."""

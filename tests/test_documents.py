@@ -4,6 +4,7 @@ applied from them, read back with Lance's own package."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import lance
@@ -328,3 +329,27 @@ def test_purge_erases_superseded_and_deleted_documents_from_every_file(tmp_path:
     ViewStore(tmp_path).sync()
     assert purge(tmp_path).erased_rows == 0
     assert sorted(out.view()) == ["doc1", "doc2", "doc3"]
+
+
+# -- the view's lease on an object store ------------------------------------------------
+
+
+@pytest.mark.s3
+def test_one_worker_at_a_time_holds_the_view_lease(s3_url: str) -> None:
+    from sinks.objectstore import ObjectStore
+    from sinks.view_lock import StoreLease
+
+    store = ObjectStore.from_url(s3_url)
+    first, second = StoreLease(store, lease_s=7), StoreLease(store, lease_s=7)
+    with first.held() as held:
+        assert held and first.valid()
+    with second.held() as held:
+        assert not held  # the first holds it until it expires or is released
+    first.release()
+    with second.held() as held:
+        assert held and second.valid()
+    time.sleep(7.5)  # the second stalls past its lease
+    assert not second.valid()  # its own clock says so: it commits nothing
+    with first.held() as held:
+        assert held
+    assert not second.renew()

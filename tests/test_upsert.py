@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import lance
-import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import (
     PIPELINE,
     REPO,
+    committed_offsets,
     duplicates,
     output_rows,
     publish_raw,
@@ -140,41 +140,71 @@ def test_the_view_is_read_without_our_code(
     assert table.schema.field("embedding").type.list_size == 384
 
 
-def test_updates_and_deletes_land_once_through_a_sigkill(
-    broker: str, make_topic, group_id: str, tmp_path: Path, tiny_model: str
-) -> None:
-    topic = make_topic(partitions=3)
-    rng = random.Random(11)
-    items: list[tuple[bytes, bytes | None]] = []
-    for i in range(3000):
-        key = f"doc-{rng.randrange(400)}".encode()
-        items.append((key, None if rng.random() < 0.1 else value(f"version {i} of {key!r}")))
-    # Keyed by document, as producers should: one key stays in one partition.
+def publish_documents(broker: str, topic: str, count: int, keys: int, seed: int) -> None:
+    """Versions of `keys` documents, a tenth of them tombstones, keyed by document (the
+    producer's partitioner keeps one key in one partition)."""
     from kafka import KafkaProducer
 
-    producer = KafkaProducer(bootstrap_servers=broker, acks="all")
-    for key, item in items:
-        producer.send(topic, key=key, value=item)
+    rng = random.Random(seed)
+    producer = KafkaProducer(bootstrap_servers=broker, acks="all", linger_ms=5)
+    for i in range(count):
+        key = f"doc-{rng.randrange(keys)}"
+        item = None if rng.random() < 0.1 else value(f"version {i} of {key}", id=key)
+        producer.send(topic, key=key.encode(), value=item)
     producer.flush(30)
     producer.close()
-    output = tmp_path / "out"
+
+
+def the_view(output: str | Path) -> dict[str, dict]:
+    """The current view as Lance reads it, from a directory or an s3:// URL."""
+    from sinks.objectstore import ObjectStore
+
+    if isinstance(output, Path):
+        return view_rows(output)
+    store = ObjectStore.from_url(output)
+    uri = f"{output.rstrip('/')}/current"
+    rows = lance.dataset(uri, storage_options=store.connection_options()).to_table().to_pylist()
+    assert len(rows) == len({r["doc_key"] for r in rows}), "one row per live document"
+    return {r["doc_key"]: r for r in rows}
+
+
+def history_rows(output: str | Path, tmp_path: Path) -> list[tuple[str, int, int]]:
+    if isinstance(output, Path):
+        return output_rows(output)
+    from tests.test_s3_output import mirror
+
+    return output_rows(mirror(output, tmp_path / "mirror"))
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_updates_and_deletes_land_once_through_a_sigkill(
+    broker: str, make_topic, group_id: str, tmp_path: Path, tiny_model: str, where: str, request
+) -> None:
+    topic = make_topic(partitions=3)
+    publish_documents(broker, topic, 3000, keys=400, seed=11)
+    output: str | Path = request.getfixturevalue("s3_url") if where == "s3" else tmp_path / "out"
     extra = ("--write-mode", "upsert", "--model", tiny_model, "--batch-size", "64",
              "--view-sync-interval-s", "0.2")  # fmt: skip
     worker = start_worker(broker, topic, group_id, output, *extra, log=tmp_path / "w1.log")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(output_rows(output)) < 800:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and worker.poll() is None:
+        committed = committed_offsets(broker, group_id, topic)
+        if sum(o or 0 for o in committed.values()) >= 800:
+            break
         time.sleep(0.05)
     stop(worker, signal.SIGKILL)
     done = run_until_end(broker, topic, group_id, output, *extra)
     assert done.returncode == 0, done.stderr
-    rows = output_rows(output)
+    rows = history_rows(output, tmp_path)
     assert not duplicates(rows)
-    assert len(rows) == len(items)
-    expected = expected_live(broker, topic)
-    assert {k: r["text"] for k, r in view_rows(output).items()} == expected
-    for path in (output / "vectors").glob("*.parquet"):
-        table = pq.read_table(path, columns=["doc_key", "deleted", "text"])
-        assert all(
-            not d or t == ""
-            for d, t in zip(table["deleted"].to_pylist(), table["text"].to_pylist(), strict=True)
-        )
+    assert len(rows) == 3000
+    assert {k: r["text"] for k, r in the_view(output).items()} == expected_live(broker, topic)
+    for command in (["audit", "--group", group_id, "--topic", topic], ["index", "check"]):
+        pipeline(broker, *command, "--output", str(output))
+    # Search never returns a superseded or deleted version.
+    live = the_view(output)
+    hits = json.loads(
+        pipeline(broker, "search", "--output", str(output), "--json", "-k", "20", "version")
+        .stdout
+    )["hits"]  # fmt: skip
+    assert hits and all(live[h["doc_key"]]["offset"] == h["offset"] for h in hits)

@@ -332,11 +332,6 @@ class WorkerConfig:
                 _check_positive(label, optional)
         _check_choice("write mode", self.input.write_mode, WRITE_MODES)
         _check_choice("document key", self.input.document_key, DOCUMENT_KEYS)
-        if self.input.write_mode == UPSERT and not isinstance(self.output, Path):
-            raise ConfigError(
-                "--write-mode upsert needs a local --output for now: the current view on an "
-                "object store is not supported yet (docs/documents.md)"
-            )
         _check_positive("max key bytes", self.input.max_key_bytes)
         _check_positive("view sync interval (s)", self.storage.view_sync_interval_s)
         _check_choice("precision", m.precision, PRECISIONS)
