@@ -373,9 +373,17 @@ class CompactStage(Stage):
     """
 
     def __init__(
-        self, output: Path, stop: threading.Event, interval_s: float, target_bytes: int
+        self,
+        output: Path,
+        stop: threading.Event,
+        interval_s: float,
+        target_bytes: int,
+        purge: bool = False,
     ) -> None:
+        """`purge`: each compaction also erases superseded and deleted documents
+        (upsert mode: sinks.purge)."""
         super().__init__("compact", queue.Queue(maxsize=1), stop)
+        self.purge = purge
         self.output = output
         self.interval_s = interval_s
         self.target_bytes = target_bytes
@@ -390,7 +398,9 @@ class CompactStage(Stage):
             return
         self._last = time.monotonic()
         try:
-            report = compact_in_child(self.output, self.target_bytes, self.stop_event)
+            report = compact_in_child(
+                self.output, self.target_bytes, self.stop_event, purge=self.purge
+            )
         except PipelineError as exc:
             if str(exc) not in self._warned:
                 self._warned.add(str(exc))
@@ -466,7 +476,8 @@ def start_stages(
         log.info("compaction: off, as the output is on an object store (not supported yet)")
     elif config.storage.compact_interval_s > 0:
         interval, target = config.storage.compact_interval_s, config.storage.compact_target_mb << 20
-        stages.append(CompactStage(config.output, stop, interval, target))
+        purge = config.storage.compact_purge
+        stages.append(CompactStage(config.output, stop, interval, target, purge))
     for stage in stages:
         stage.start()
     return stages

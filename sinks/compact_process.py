@@ -32,14 +32,15 @@ _POLL_S = 0.2
 
 
 def compact_in_child(
-    output: Path, target_bytes: int, stop: threading.Event
+    output: Path, target_bytes: int, stop: threading.Event, purge: bool = False
 ) -> CompactionReport | None:
-    """Compacts `output` in a child process; None when `stop` was set meanwhile.
+    """Compacts `output` in a child process (with `purge`, purges it: sinks.purge); None
+    when `stop` was set meanwhile.
 
     Raises OutputError with the child's own one-line reason when it fails."""
     child = subprocess.Popen(
         [sys.executable, "-c", "from sinks.compact_process import main; main()",
-         str(output), str(target_bytes), str(os.getpid())],
+         str(output), str(target_bytes), str(os.getpid()), "purge" if purge else "compact"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -69,15 +70,22 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 def main() -> None:
-    """The child: argv = OUTPUT TARGET_BYTES PARENT_PID; the report as JSON on stdout."""
+    """The child: argv = OUTPUT TARGET_BYTES PARENT_PID [compact|purge]; the compaction's
+    report as JSON on stdout."""
     output, target_bytes, parent = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    purging = sys.argv[4:5] == ["purge"]
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     die_with_parent()
     if os.getppid() != parent:
         return  # the worker died before the death signal was armed
     try:
-        report = compact(output, target_bytes, should_stop=stopping.is_set)
+        if purging:
+            from sinks.purge import purge
+
+            report = purge(output, target_bytes, should_stop=stopping.is_set).compaction
+        else:
+            report = compact(output, target_bytes, should_stop=stopping.is_set)
     except PipelineError as exc:
         print(exc, file=sys.stderr)
         sys.exit(1)

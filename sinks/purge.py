@@ -23,12 +23,13 @@ more, so workers may go on writing and applying meanwhile.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import OutputError
-from sinks.compaction import DEFAULT_TARGET_BYTES, Erasure, compact, settle
+from sinks.compaction import DEFAULT_TARGET_BYTES, CompactionReport, Erasure, compact, settle
 from sinks.index.shards import FLAT
 from sinks.index.store import IndexStore
 from sinks.view import ViewStore, has_view
@@ -36,6 +37,7 @@ from sinks.view import ViewStore, has_view
 
 @dataclass
 class PurgeReport:
+    compaction: CompactionReport
     erased_rows: int = 0
     rewritten_segments: int = 0
     live_documents: int = 0
@@ -43,12 +45,18 @@ class PurgeReport:
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        found = asdict(self)
+        del found["compaction"]
+        return found
 
 
 def purge(
-    output: Path, target_bytes: int = DEFAULT_TARGET_BYTES, retention_s: float = 0.0
+    output: Path,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    retention_s: float = 0.0,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> PurgeReport:
+    """See the module's doc; `should_stop` as for compaction (a stopping worker)."""
     if not isinstance(output, Path):
         raise OutputError("--purge of object-store outputs is not supported yet")
     if not has_view(output):
@@ -60,7 +68,7 @@ def purge(
     view = ViewStore(output, index=IndexStore(output))
     view.sync()
     through, keep = view.snapshot()
-    compacted = compact(output, target_bytes, erase=Erasure(through, keep))
+    compacted = compact(output, target_bytes, should_stop=should_stop, erase=Erasure(through, keep))
     settle(output)
     meta = IndexStore(output).saved_meta()
     rebuilt = IndexStore(output, index_type=meta.index_type if meta else FLAT)
@@ -68,6 +76,7 @@ def purge(
     rebuilt.prune_removed()  # the erased versions' removals are moot now
     view.maintain(retention_s)
     return PurgeReport(
+        compacted,
         erased_rows=compacted.erased,
         rewritten_segments=compacted.merged_files,
         live_documents=sum(len(v) for v in keep.values()),

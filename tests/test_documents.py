@@ -353,3 +353,19 @@ def test_one_worker_at_a_time_holds_the_view_lease(s3_url: str) -> None:
     with first.held() as held:
         assert held
     assert not second.renew()
+
+
+def test_a_workers_compaction_purges_when_asked(tmp_path: Path) -> None:
+    import threading
+
+    from sinks.compact_process import compact_in_child
+
+    out = Upserts(tmp_path)
+    out.write(("a", "old"), ("b", "gone"))
+    out.write(("a", "new"), ("b", None))
+    ViewStore(tmp_path, index=IndexStore(tmp_path)).sync()
+    report = compact_in_child(tmp_path, 128 << 20, threading.Event(), purge=True)
+    assert report is not None and report.erased == 3
+    (segment,) = iter_segments(tmp_path)
+    assert pq.read_table(segment.path).column("text").to_pylist() == ["new"]
+    assert check_index(tmp_path).ok

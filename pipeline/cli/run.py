@@ -179,6 +179,12 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     type=float,
     help="Upsert mode: seconds between applies of new segments to the current view.",
 )
+@env_option(
+    "--compact-purge",
+    is_flag=True,
+    help="Upsert mode: each compaction also erases superseded and deleted documents from "
+    "every file (pipeline compact --purge).",
+)
 @_run_option("--compact-target-mb", type=int, help="MiB that merged segments grow to.")
 @_run_option(
     "--shutdown-timeout-s",

@@ -185,6 +185,9 @@ class StorageSettings:
     # Small segments are merged this often (sinks.compaction); 0 turns it off.
     compact_interval_s: float = 600.0
     compact_target_mb: int = 128
+    # Upsert mode: each of those compactions also erases superseded and deleted
+    # documents from every file (sinks.purge), as `pipeline compact --purge` does.
+    compact_purge: bool = False
 
 
 @dataclass(frozen=True)
@@ -332,6 +335,10 @@ class WorkerConfig:
                 _check_positive(label, optional)
         _check_choice("write mode", self.input.write_mode, WRITE_MODES)
         _check_choice("document key", self.input.document_key, DOCUMENT_KEYS)
+        if self.storage.compact_purge and self.input.write_mode != UPSERT:
+            raise ConfigError(
+                "--compact-purge erases superseded documents: it needs --write-mode upsert"
+            )
         _check_positive("max key bytes", self.input.max_key_bytes)
         _check_positive("view sync interval (s)", self.storage.view_sync_interval_s)
         _check_choice("precision", m.precision, PRECISIONS)
