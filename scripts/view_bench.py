@@ -217,7 +217,9 @@ def run_child(phase: str, output: Path, size: int, args: argparse.Namespace) -> 
     command = [sys.executable, __file__, "--child", phase, "--output", str(output),
                "--size", str(size), "--rate", str(args.rate), "--seconds", str(args.seconds),
                "--interval", str(args.interval)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"view_bench: the {phase} child at {size:,} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

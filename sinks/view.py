@@ -65,6 +65,9 @@ COLUMNS = [
 _LOOKUP_KEYS = 4096  # keys per lookup of live versions (one IN list each)
 # Rows read into one apply, at most (a segment is never split): bounds its memory.
 MAX_APPLY_ROWS = 200_000
+# And at most this many bytes of them: the merge joins them in Lance's memory pool
+# (300 MB by default), which a larger source overran.
+MAX_APPLY_BYTES = 48 << 20
 
 
 @dataclass
@@ -307,17 +310,18 @@ class ViewStore:
         return found
 
     def _pending(self, positions: dict[str, int]) -> tuple[pa.Table, dict[str, int]]:
-        """Segment rows past the positions (whole segments, up to max_apply_rows), and
+        """Segment rows past the positions (whole segments, up to max_apply_rows rows and
+        MAX_APPLY_BYTES bytes), and
         the positions they take each partition to."""
         self.damaged = []
         tables: list[pa.Table] = []
         moved: dict[str, int] = {}
-        count = 0
+        count = size = 0
         for (topic, partition), segments in segments_by_partition(self.output).items():
             key = _tp(topic, partition)
             through = positions.get(key, -1)
             for segment in _past(segments, through):
-                if count >= self.max_apply_rows:
+                if count >= self.max_apply_rows or size >= MAX_APPLY_BYTES:
                     break
                 try:
                     table, info = read_rows(segment, [*COLUMNS, DELETED])
@@ -327,10 +331,20 @@ class ViewStore:
                 except FileNotFoundError:
                     break  # merged or moved aside meanwhile: read again next time
                 fresh = table.filter(pc.greater(table.column("offset"), through))
-                tables.append(fresh.select([*COLUMNS, DELETED]))
+                fresh = fresh.select([*COLUMNS, DELETED])
+                room = _rows_within(fresh, MAX_APPLY_BYTES - size)
+                part = room < fresh.num_rows  # a large (compacted) segment: a part at a time
+                if part:
+                    fresh = fresh.slice(0, room)
+                    through = fresh.column("offset")[-1].as_py()
+                else:
+                    through = max(through, info.last)
+                tables.append(fresh)
                 count += fresh.num_rows
-                through = max(through, info.last)
+                size += fresh.nbytes
                 moved[key] = through
+                if part:
+                    break
         if not tables:
             return pa.table({}), moved
         return pa.concat_tables(tables, promote_options="permissive"), moved
@@ -345,6 +359,13 @@ _NEWER = (
     " (source.topic > target.topic OR (source.topic = target.topic"
     " AND source.partition > target.partition)))))"
 )
+
+
+def _rows_within(table: pa.Table, budget: int) -> int:
+    """How many of the table's first rows fit in `budget` bytes (one at least)."""
+    if table.nbytes <= budget or not table.num_rows:
+        return table.num_rows
+    return max(1, int(table.num_rows * max(budget, 0) / table.nbytes))
 
 
 def _past(segments: list[SegmentFile], through: int) -> list[SegmentFile]:

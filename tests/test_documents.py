@@ -369,3 +369,20 @@ def test_a_workers_compaction_purges_when_asked(tmp_path: Path) -> None:
     (segment,) = iter_segments(tmp_path)
     assert pq.read_table(segment.path).column("text").to_pylist() == ["new"]
     assert check_index(tmp_path).ok
+
+
+def test_a_segment_larger_than_an_apply_is_applied_a_part_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sinks import view as view_module
+
+    out = Upserts(tmp_path)
+    out.write(*[(f"k{i % 37}", f"version {i}") for i in range(300)])
+    monkeypatch.setattr(view_module, "MAX_APPLY_BYTES", 4096)
+    view = ViewStore(tmp_path)
+    assert view.sync() == 300
+    assert view.last_sync.commits > 3
+    assert {k: r["text"] for k, r in out.view().items()} == {
+        f"k{j}": f"version {max(i for i in range(300) if i % 37 == j)}" for j in range(37)
+    }
+    assert view.positions() == {"docs:0": 299}
