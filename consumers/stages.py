@@ -362,7 +362,28 @@ class WriteStage(Stage):
 _key: Callable[[Keyed], TopicPartitionKey] = attrgetter("source.topic", "source.partition")
 
 
-class CompactStage(Stage):
+class PeriodicStage(Stage):
+    """A stage that queues nothing and does its upkeep (`tick`) every `interval_s`."""
+
+    def __init__(self, name: str, stop: threading.Event, interval_s: float) -> None:
+        super().__init__(name, queue.Queue(maxsize=1), stop)
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def handle(self, item: object) -> None:  # nothing is ever queued here
+        raise AssertionError(f"unexpected item {item!r}")
+
+    def idle(self) -> None:
+        if time.monotonic() - self._last < self.interval_s:
+            return
+        self._last = time.monotonic()
+        self.tick()
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+
+class CompactStage(PeriodicStage):
     """Merges small segments every `interval_s` (sinks.compaction), off the hot path:
     in a child process (sinks.compact_process), so that neither its CPU work nor its
     buffers stay with the worker.
@@ -382,21 +403,13 @@ class CompactStage(Stage):
     ) -> None:
         """`purge`: each compaction also erases superseded and deleted documents
         (upsert mode: sinks.purge)."""
-        super().__init__("compact", queue.Queue(maxsize=1), stop)
+        super().__init__("compact", stop, interval_s)
         self.purge = purge
         self.output = output
-        self.interval_s = interval_s
         self.target_bytes = target_bytes
-        self._last = time.monotonic()
         self._warned: set[str] = set()
 
-    def handle(self, item: object) -> None:  # nothing is ever queued here
-        raise AssertionError(f"unexpected item {item!r}")
-
-    def idle(self) -> None:
-        if time.monotonic() - self._last < self.interval_s:
-            return
-        self._last = time.monotonic()
+    def tick(self) -> None:
         try:
             report = compact_in_child(
                 self.output, self.target_bytes, self.stop_event, purge=self.purge
@@ -416,23 +429,28 @@ class CompactStage(Stage):
             )
 
 
-class ViewStage(Stage):
+class ViewStage(PeriodicStage):
     """Applies published segments to the current view every `interval_s` (upsert mode:
     sinks.view), off the write path, so that a slow apply never holds a publish."""
 
-    def __init__(self, view: ViewStore, stop: threading.Event, interval_s: float) -> None:
-        super().__init__("view", queue.Queue(maxsize=1), stop)
+    def __init__(
+        self, view: ViewStore, stop: threading.Event, interval_s: float, upkeep_s: float
+    ) -> None:
+        """`upkeep_s`: how often the view's files are compacted and its old versions
+        removed (sinks.view: maintain); 0: never."""
+        super().__init__("view", stop, interval_s)
         self.view = view
-        self.interval_s = interval_s
-        self._last = time.monotonic()
+        self.upkeep_s = upkeep_s
+        self._upkept = time.monotonic()
 
-    def handle(self, item: object) -> None:  # nothing is ever queued here
-        raise AssertionError(f"unexpected item {item!r}")
-
-    def idle(self) -> None:
-        if time.monotonic() - self._last < self.interval_s:
-            return
-        self._last = time.monotonic()
+    def tick(self) -> None:
+        if self.upkeep_s and time.monotonic() - self._upkept >= self.upkeep_s:
+            self._upkept = time.monotonic()
+            started = time.perf_counter()
+            if self.view.maintain():
+                log.info(
+                    "view: compacted, old versions removed in %.1fs", time.perf_counter() - started
+                )
         if self.view.sync():
             stats = self.view.last_sync
             log.debug(
@@ -471,7 +489,10 @@ def start_stages(
     )  # fmt: skip
     stages: list[Stage] = [embed, write]
     if view is not None:
-        stages.append(ViewStage(view, stop, config.storage.view_sync_interval_s))
+        storage = config.storage
+        stages.append(
+            ViewStage(view, stop, storage.view_sync_interval_s, storage.compact_interval_s)
+        )
     if config.storage.compact_interval_s > 0 and not is_local(config.output):
         log.info("compaction: off, as the output is on an object store (not supported yet)")
     elif config.storage.compact_interval_s > 0:

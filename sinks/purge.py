@@ -74,7 +74,7 @@ def purge(
     rebuilt = IndexStore(output, index_type=meta.index_type if meta else FLAT)
     vectors = rebuilt.rebuild()
     rebuilt.prune_removed()  # the erased versions' removals are moot now
-    view.maintain(retention_s)
+    view.maintain(retention_s, erase=True)
     return PurgeReport(
         compacted,
         erased_rows=compacted.erased,

@@ -46,7 +46,7 @@ from pipeline.core.errors import OutputError
 from pipeline.core.layout import Output, SegmentFile, TopicPartitionKey, segments_by_partition
 from sinks.index.store import IndexStore
 from sinks.segments import DamagedSegment, last_offset, read_rows
-from sinks.view_lock import LocalLock, StoreLease
+from sinks.view_lock import LEASE_S, LocalLock, StoreLease
 from sinks.view_plan import ORDER, plan
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,11 @@ MAX_APPLY_ROWS = 200_000
 # And at most this many bytes of them: the merge joins them in Lance's memory pool
 # (300 MB by default), which a larger source overran.
 MAX_APPLY_BYTES = 48 << 20
+KEY_INDEX = f"{DOC_KEY}_idx"  # a BTREE over the document keys: merges find rows by it
+# Rows the doc_key index may leave uncovered before an apply brings it up to date.
+UNINDEXED_ROWS = 20_000
+# Versions of the view kept readable by a worker's upkeep (a purge keeps none by default).
+RETENTION_S = 3600.0
 
 
 @dataclass
@@ -164,7 +169,10 @@ class ViewStore:
         if dataset is None:
             return ViewState({})
         for version in range(dataset.version, 0, -1):
-            transaction = dataset.read_transaction(version)
+            try:
+                transaction = dataset.read_transaction(version)
+            except TypeError:  # pylance 14 cannot rebuild a compaction's RewrittenIndex
+                continue  # in Python: not an applying commit, read past it
             properties = transaction.transaction_properties if transaction else None
             if properties and POSITIONS in properties:
                 return ViewState.of(properties)
@@ -201,18 +209,22 @@ class ViewStore:
                 live.setdefault((str(topic), int(partition)), []).append(frame["offset"][mask])
         return positions, {k: np.sort(np.concatenate(v)) for k, v in live.items()}
 
-    def maintain(self, retention_s: float) -> None:
-        """Rewrites the fragments holding deleted rows without them, brings the key index
-        up to date, and removes the versions older than `retention_s` (with their files):
-        after it, no file of the table holds a row deleted before it began."""
-        with self.lock.held() as held:
+    def maintain(self, retention_s: float = RETENTION_S, erase: bool = False) -> bool:
+        """Merges small fragments, rewrites those holding deleted rows, brings the key
+        index up to date, and removes the versions older than `retention_s` with their
+        files; whether it ran (another worker may hold the view). With `erase` (a
+        purge), every fragment holding a deleted row is rewritten, and unreferenced
+        files go too: after it, no file of the table holds a row deleted before it."""
+        with self.lock.held(wait_s=LEASE_S + 10 if erase else 0.0) as held:
             dataset = self.dataset()
             if dataset is None:
-                return
+                return False
             if not held:
-                raise OutputError(f"another worker holds the view at {self.uri}; try again")
+                if erase:
+                    raise OutputError(f"another worker holds the view at {self.uri}; try again")
+                return False
             dataset.optimize.compact_files(
-                materialize_deletions=True, materialize_deletions_threshold=0.0
+                materialize_deletions=True, materialize_deletions_threshold=0.0 if erase else 0.1
             )
             self.dataset().optimize.optimize_indices()
             # The newest version must name the positions: older ones may go below.
@@ -224,8 +236,9 @@ class ViewStore:
             properties_only = dataclasses.replace(transaction, transaction_properties=properties)
             _commit(dataset, properties_only, self.lock)
             self.dataset().cleanup_old_versions(
-                older_than=timedelta(seconds=retention_s), delete_unverified=True
+                older_than=timedelta(seconds=retention_s), delete_unverified=erase
             )
+        return True
 
     def close(self) -> None:
         """Gives the lease up (object stores), so that another worker applies at once."""
@@ -288,7 +301,17 @@ class ViewStore:
         transaction, _ = builder.execute_uncommitted(upserts)
         transaction = dataclasses.replace(transaction, transaction_properties=state.properties())
         _commit(dataset, transaction, self.lock)
+        self._index_new_rows()
         return ViewStats(rows.num_rows, upserts.num_rows, len(change.gone), 1)
+
+    def _index_new_rows(self) -> None:
+        """Adds the rows that applies inserted to the key index once they are many: a
+        merge reads the rows the index does not cover, which would grow with the table
+        (a 5,000-row merge: 2.7 s over 970k unindexed rows of 1M, 0.2 s indexed)."""
+        dataset = self.dataset()
+        stats = dataset.stats.index_stats(KEY_INDEX)
+        if stats.get("num_unindexed_rows", 0) >= UNINDEXED_ROWS:
+            dataset.optimize.optimize_indices()
 
     def _create(self, upserts: pa.Table, properties: dict[str, str]) -> None:
         import lance
@@ -296,7 +319,7 @@ class ViewStore:
         dataset = lance.write_dataset(
             upserts, self.uri, storage_options=self.options, transaction_properties=properties
         )
-        dataset.create_scalar_index(DOC_KEY, "BTREE")
+        dataset.create_scalar_index(DOC_KEY, "BTREE", name=KEY_INDEX)
 
     def _live_versions(self, dataset: Any | None, keys: list[str]) -> dict[str, dict[str, Any]]:
         """The live version of each of `keys` the view holds (its ORDER columns)."""

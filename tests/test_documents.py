@@ -386,3 +386,20 @@ def test_a_segment_larger_than_an_apply_is_applied_a_part_at_a_time(
         f"k{j}": f"version {max(i for i in range(300) if i % 37 == j)}" for j in range(37)
     }
     assert view.positions() == {"docs:0": 299}
+
+
+def test_upkeep_compacts_the_view_and_keeps_its_positions(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    view = ViewStore(tmp_path)
+    for n in range(6):
+        out.write(("a", f"a{n}"), (f"k{n}", "x"), ("b", None if n % 2 else f"b{n}"))
+        view.sync()
+    before = view.state()
+    rows = out.view()
+    fragments = len(lance.dataset(str(tmp_path / "current")).get_fragments())
+    assert view.maintain(retention_s=0.0)
+    dataset = lance.dataset(str(tmp_path / "current"))
+    assert len(dataset.versions()) == 1 and len(dataset.get_fragments()) < fragments
+    assert view.state() == before and out.view() == rows
+    out.write(("a", "later"))
+    assert view.sync() == 1 and out.view()["a"]["text"] == "later"
