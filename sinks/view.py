@@ -292,13 +292,22 @@ class ViewStore:
         if dataset is None:
             self._create(upserts, state.properties())
             return ViewStats(rows.num_rows, upserts.num_rows, 0, 1)
-        builder = dataset.merge_insert(DOC_KEY)
-        builder = builder.when_matched_update_all(_NEWER).when_not_matched_insert_all()
-        if change.gone:
-            builder = builder.when_not_matched_by_source_delete(
-                f"{DOC_KEY} IN ({', '.join(map(_literal, change.gone))})"
+        # One merge on (document, offset): the live rows replaced or deleted match
+        # exactly and go; the new versions match nothing and come in. Both are found
+        # by the key index, where a "delete what the source lacks" clause scans the
+        # whole table (2.4 s against 0.2 s for 5,000 changes at 1M documents).
+        replaced = _rows_like(dataset.schema, change.replaced)
+        builder = dataset.merge_insert([DOC_KEY, "offset"]).when_matched_delete()
+        transaction, merged = builder.when_not_matched_insert_all().execute_uncommitted(
+            pa.concat_tables([replaced, upserts.cast(dataset.schema)])
+        )
+        if (merged["num_deleted_rows"], merged["num_inserted_rows"]) != (
+            replaced.num_rows, upserts.num_rows,
+        ):  # fmt: skip
+            raise OutputError(
+                f"the view at {self.uri} changed under its applier ({merged}, expected "
+                f"{replaced.num_rows} replaced and {upserts.num_rows} new rows): nothing applied"
             )
-        transaction, _ = builder.execute_uncommitted(upserts)
         transaction = dataclasses.replace(transaction, transaction_properties=state.properties())
         _commit(dataset, transaction, self.lock)
         self._index_new_rows()
@@ -373,15 +382,21 @@ class ViewStore:
         return pa.concat_tables(tables, promote_options="permissive"), moved
 
 
-# A matched live row is replaced by the incoming version where that is newer (newer()).
-_NEWER = (
-    "(source.topic = target.topic AND source.partition = target.partition"
-    " AND source.offset > target.offset)"
-    " OR ((source.topic <> target.topic OR source.partition <> target.partition) AND"
-    " (source.timestamp > target.timestamp OR (source.timestamp = target.timestamp AND"
-    " (source.topic > target.topic OR (source.topic = target.topic"
-    " AND source.partition > target.partition)))))"
-)
+def _rows_like(schema: pa.Schema, rows: list[Any]) -> pa.Table:
+    """Rows of `schema` naming the given live versions (their DOC_KEY and ORDER
+    columns): the merge matches them to the rows to delete; the rest is filler."""
+    columns = {}
+    for field in schema:
+        if field.name in (DOC_KEY, *ORDER):
+            columns[field.name] = pa.array([r[field.name] for r in rows], field.type)
+        elif field.name == "embedding":
+            zeros = pa.array(np.zeros(len(rows) * field.type.list_size, np.float32))
+            columns[field.name] = pa.FixedSizeListArray.from_arrays(zeros, field.type.list_size)
+        elif field.name == "text":
+            columns[field.name] = pa.array([""] * len(rows), field.type)
+        else:
+            columns[field.name] = pa.nulls(len(rows), field.type)
+    return pa.table(columns, schema=schema)
 
 
 def _rows_within(table: pa.Table, budget: int) -> int:

@@ -42,6 +42,7 @@ class Plan:
     upserts: pa.Table  # the rows to insert or to replace live ones with
     gone: list[str] = field(default_factory=list)  # documents deleted
     removed: list[Place] = field(default_factory=list)  # versions the index stops serving
+    replaced: list[Mapping[str, Any]] = field(default_factory=list)  # live rows that go
     cross_partition: list[str] = field(default_factory=list)  # keys seen in 2+ partitions
 
 
@@ -73,6 +74,7 @@ def plan(rows: pa.Table, live: Mapping[str, Mapping[str, Any]]) -> Plan:
             continue
         if current is not None:
             result.removed.append(_place(current))
+            result.replaced.append(current)
         if change[DELETED]:
             if current is not None:
                 result.gone.append(key)
