@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import lance
+import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import (
@@ -208,3 +209,40 @@ def test_updates_and_deletes_land_once_through_a_sigkill(
         .stdout
     )["hits"]  # fmt: skip
     assert hits and all(live[h["doc_key"]]["offset"] == h["offset"] for h in hits)
+
+
+def test_purges_while_a_worker_writes_lose_nothing_and_resurrect_nothing(
+    broker: str, make_topic, group_id: str, tmp_path: Path, tiny_model: str
+) -> None:
+    import threading
+
+    topic = make_topic(partitions=2)
+    publish_documents(broker, topic, 1500, keys=200, seed=5)
+    output = tmp_path / "out"
+    extra = ("--write-mode", "upsert", "--model", tiny_model, "--batch-size", "64",
+             "--view-sync-interval-s", "0.2")  # fmt: skip
+    worker = start_worker(broker, topic, group_id, output, *extra, log=tmp_path / "w.log")
+    more = threading.Thread(target=publish_documents, args=(broker, topic, 1500, 200, 6))
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (output / "current").is_dir():
+            time.sleep(0.1)
+        more.start()
+        for _ in range(3):  # purges while the worker writes, applies and syncs
+            pipeline(broker, "compact", "--purge", "--output", str(output))
+        more.join()
+    finally:
+        stop(worker)
+    done = run_until_end(broker, topic, group_id, output, *extra)
+    assert done.returncode == 0, done.stderr
+    for command in (["audit", "--group", group_id, "--topic", topic], ["index", "check"]):
+        pipeline(broker, *command, "--output", str(output))
+    live = expected_live(broker, topic)
+    assert {k: r["text"] for k, r in view_rows(output).items()} == live
+    pipeline(broker, "compact", "--purge", "--output", str(output))
+    pipeline(broker, "audit", "--group", group_id, "--topic", topic, "--output", str(output))
+    kept: list[tuple[str, str]] = []
+    for path in (output / "vectors").glob("*.parquet"):
+        table = pq.read_table(path, columns=["doc_key", "text"])
+        kept += zip(table["doc_key"].to_pylist(), table["text"].to_pylist(), strict=True)
+    assert sorted(kept) == sorted(live.items())  # only the live versions are left
