@@ -3,7 +3,8 @@ against a real broker of its own (not the shared one on 9092).
 
 The seeded runs cover the riskiest operations: several workers starting at the same
 moment, a worker stalled past its session timeout, a broker restart, and workers
-killed or stalled between a batch's dead letters and its publish.
+killed or stalled between a batch's dead letters and its publish; and one short seed
+in upsert mode (updates, tombstones, re-adds; the current view, then compact --purge).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from chaos import check, cli, common, plans, records  # noqa: E402
+from chaos import check, cli, common, plans, records, upsert  # noqa: E402
 
 CHAOS_PORT = int(os.environ.get("PIPELINE_CHAOS_TEST_PORT", "19192"))
 # Seed i runs scenario i (the plans are short ones): four workers starting at once with a
@@ -30,6 +31,9 @@ CHAOS_PORT = int(os.environ.get("PIPELINE_CHAOS_TEST_PORT", "19192"))
 # eight bad with SIGKILLs and a stall landing between dead letters and publish.
 CHAOS_SEEDS = "9,8,11,1"
 CHAOS_SCENARIOS = "together,stall,broker-restart,dead-letters"
+# Upsert mode, one short seed (about a minute): updates, tombstones and re-adds under
+# two SIGKILLs, the current view checked against the topic, then compact --purge.
+UPSERT_SEED, UPSERT_SCENARIO = "3", "sigkill"
 
 
 def _good(text: str) -> bytes:
@@ -96,6 +100,112 @@ def test_plans_are_seeded_and_cover_every_scenario() -> None:
     assert {plans.scenario_for(s, None, 0) for s in every} == set(plans.SCENARIOS)
 
 
+def test_upsert_contract_and_traffic() -> None:
+    rng = random.Random(0)
+    for kind, make in records.UPSERT_BAD_MAKERS.items():
+        key, value = make(rng, "id-1")
+        assert key is not None or value is not None, kind  # kafka-python sends it
+        assert records.upsert_verdict(key, value) == (records.BAD, None), kind
+    for kind, make in records.BAD_MAKERS.items():
+        if kind != "tombstone":  # a tombstone with a key deletes its document
+            assert records.upsert_verdict(*make(rng, "id-1"))[0] == records.BAD, kind
+    assert records.upsert_verdict(b"doc-1", None) == (records.DELETE, "doc-1")
+    assert records.upsert_verdict(b"k", _good("a")) == (records.GOOD, "x")  # the id first
+    no_id = json.dumps({"text": "a"}).encode()
+    assert records.upsert_verdict(b"doc-2", no_id) == (records.GOOD, "doc-2")
+    docs = records.Documents(1, 50)
+    items = records.make_upsert_items(rng, docs, records.Ids(1), 1500, 0.03)
+    for key, value, bad in items:
+        kind, document = records.upsert_verdict(key, value)
+        assert bad == (kind == records.BAD)
+        if not bad:  # every version and tombstone keyed by its document
+            assert key == str(document).encode()
+    assert {"inserts", "updates", "deletions", "re-adds"} <= set(docs.counts)
+    assert records.key_partition(b"doc-1-7", 3) == records.key_partition(b"doc-1-7", 3)
+
+
+class _Record:
+    def __init__(self, p: int, o: int, key: bytes | None, value: bytes | None) -> None:
+        self.partition, self.offset, self.key, self.value, self.timestamp = p, o, key, value, o
+
+
+def _doc(ident: str, text: str) -> bytes:
+    return json.dumps({"id": ident, "text": text}).encode()
+
+
+def test_upsert_check_counts_documents_view_index_and_purge() -> None:
+    topic = "t"
+    topic_records = [
+        _Record(0, 0, b"a", _doc("a", "a1")),  # superseded by offset 2
+        _Record(0, 1, b"b", _doc("b", "b1")),  # deleted at 3
+        _Record(0, 2, b"a", _doc("a", "a2")),  # live
+        _Record(0, 3, b"b", None),  # the tombstone: a row, deleted
+        _Record(0, 4, None, None),  # a tombstone without a key: a dead letter
+        _Record(1, 0, b"c", _doc("c", "c1")),  # deleted at 1, re-added at 2
+        _Record(1, 1, b"c", None),
+        _Record(1, 2, b"c", _doc("c", "c2")),  # live
+    ]
+    want = upsert.expected(topic_records, topic)
+    assert {k: v.text for k, v in want.live.items()} == {"a": "a2", "c": "c2"}
+    rows = [(0, 0, "a1"), (0, 1, "b1"), (0, 2, "a2"), (0, 3, ""), (1, 0, "c1"), (1, 1, "")]
+    rows += [(1, 2, "c2")]
+    flags = [("a", False), ("b", False), ("a", False), ("b", True), ("c", False), ("c", True)]
+    scan = check.RowScan(rows=rows, documents=[*flags, ("c", False)])
+    verdict, docs = upsert.check_records(want, scan, Counter({(0, 4): 1}))
+    assert verdict.clean and docs.clean, (verdict.problems(), docs.problems())
+    assert (docs.documents, docs.deletions, docs.updated, docs.readded) == (2, 2, 2, 1)
+    # The view: b must be gone, a at its latest version, nothing twice.
+    view = [
+        {"doc_key": "a", "text": "a1", "topic": topic, "partition": 0, "offset": 0},
+        {"doc_key": "b", "text": "b1", "topic": topic, "partition": 0, "offset": 1},
+        {"doc_key": "b", "text": "b1", "topic": topic, "partition": 0, "offset": 1},
+    ]
+    upsert.check_view(docs, want, view, topic)
+    assert (docs.view_lost, docs.view_extra, docs.view_stale) == (["c"], ["b"], ["a"])
+    assert docs.view_doubled == ["b"]
+    # The index: shard files hold every non-deleted row; it serves the live versions.
+    held = Counter({(0, 0): 1, (0, 1): 1, (0, 2): 1, (1, 0): 1, (1, 2): 2, (1, 1): 1})
+    ids = upsert.IndexIds(held, removed={(0, 0), (1, 0)})
+    upsert.check_index(docs, want, scan, ids)
+    assert docs.index == {
+        "missing": 0, "doubled": 1, "extra": 0, "deleted_rows_indexed": 1,
+        "served_not_live": 2, "live_not_served": 0,
+    }  # fmt: skip
+    # After a purge: superseded and deleted rows erased, their offsets purged.
+    kept = check.RowScan(rows=[(0, 2, "a2"), (1, 0, "c1")], documents=[("a", False), ("c", False)])
+    kept.purged = [(0, 0), (0, 1), (0, 3), (1, 1), (1, 2)]
+    verdict, docs = upsert.check_records(want, kept, Counter({(0, 4): 1}), purged_phase=True)
+    assert verdict.clean
+    assert docs.left_after_purge == [(1, 0)] and docs.wrongly_purged == [(1, 2)]
+    assert docs.stale_texts_left == 1
+
+
+def test_parquet_rows_reads_upsert_columns_and_purged_offsets(tmp_path: Path) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    vectors = np.zeros((2, 4), dtype=np.float32)
+    vectors[0, 0] = 1.0  # a unit vector, and a tombstone's zero vector
+    table = pa.table(
+        {
+            "topic": ["t", "t"],
+            "partition": [1, 1],
+            "offset": [5, 7],
+            "text": ["hello", ""],
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), 4),
+            "doc_key": ["a", "b"],
+            "deleted": [False, True],
+        }
+    ).replace_schema_metadata({"segment.purged": "[[6, 6], [2, 3]]"})
+    (tmp_path / "vectors").mkdir()
+    pq.write_table(table, tmp_path / "vectors" / f"t-p00001-{5:020d}.parquet")
+    scan = check.parquet_rows(tmp_path, "t")
+    assert scan.rows == [(1, 5, "hello"), (1, 7, "")]
+    assert scan.documents == [("a", False), ("b", True)]
+    assert sorted(scan.purged) == [(1, 2), (1, 3), (1, 6)] and scan.bad_vectors == 0
+
+
 def test_tiny_model_loads_and_embeds(tmp_path: Path) -> None:
     from tiny_model import ensure_tiny_model
 
@@ -112,18 +222,15 @@ def test_tiny_model_loads_and_embeds(tmp_path: Path) -> None:
 # -- seeds against a real broker ----------------------------------------------------------
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_chaos_seeds_lose_and_double_nothing(tmp_path: Path) -> None:
-    results = tmp_path / "chaos.json"
+def _run_chaos(tmp_path: Path, seeds: str, scenarios: str, *extra: str) -> tuple[int, str]:
     done = subprocess.run(
         [
             sys.executable,
             str(REPO / "scripts" / "chaos"),
             "--seeds",
-            CHAOS_SEEDS,
+            seeds,
             "--scenario",
-            CHAOS_SCENARIOS,
+            scenarios,
             "--port",
             str(CHAOS_PORT),
             "--kafka-home",
@@ -131,18 +238,42 @@ def test_chaos_seeds_lose_and_double_nothing(tmp_path: Path) -> None:
             "--work-dir",
             str(tmp_path / "work"),
             "--json",
-            str(results),
+            str(tmp_path / "chaos.json"),
             "--keep-going",
+            *extra,
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=1200,
     )
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_chaos_seeds_lose_and_double_nothing(tmp_path: Path) -> None:
+    results = tmp_path / "chaos.json"
+    returncode, report = _run_chaos(tmp_path, CHAOS_SEEDS, CHAOS_SCENARIOS)
+    assert returncode == 0, report
     summary = json.loads(report.split("summary: ", 1)[1].splitlines()[0])
     assert summary["seeds"] == 4 and summary["passed"] == 4, report
     assert summary["lost"] == summary["doubled"] == summary["phantom"] == 0, report
     scenarios = {r["scenario"] for r in json.loads(results.read_text())["results"]}
     assert scenarios == set(CHAOS_SCENARIOS.split(","))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_chaos_upsert_seed_keeps_the_latest_version_of_each_document(tmp_path: Path) -> None:
+    returncode, report = _run_chaos(
+        tmp_path, UPSERT_SEED, UPSERT_SCENARIO, "--write-mode", "upsert"
+    )
+    assert returncode == 0, report
+    summary = json.loads(report.split("summary: ", 1)[1].splitlines()[0])
+    assert summary["passed"] == 1 and summary["purge_failed"] == [], report
+    assert summary["view_lost"] == summary["view_extra"] == summary["view_stale"] == 0, report
+    (result,) = json.loads((tmp_path / "chaos.json").read_text())["results"]
+    documents = result["documents"]
+    assert documents["deletions"] and documents["updated"] and documents["readded"], documents
+    assert result["purge"]["erased_rows"] and result["purge"]["audit_rc"] == 0

@@ -24,6 +24,20 @@ Each seed runs one scenario on its own topic, group and output directory:
    markers); the FAISS index holds every row once; the group's commits reach the
    end. `pipeline audit` runs too, and its verdict is compared with this one.
 
+With `--write-mode upsert` every worker runs `--write-mode upsert` and the records
+are versions of a bounded pool of documents (`records.Documents`): inserts, updates
+(some twice or more), tombstones of published documents (deletions, not bad
+records) and re-adds, each keyed by its document id and sent to the partition that
+key hashes to; bad records stay, with upsert mode's own (no usable document key). The
+check (`upsert`) also computes, from the topic, each document's latest version
+(highest offset in its partition) and requires DIR/current (read with `lance`) to
+hold exactly the live ones, at those offsets and texts; tombstones must be rows
+with `deleted=true`; the index's shard files must hold every non-deleted row once
+and serve only the live versions. Each seed then runs `pipeline compact --purge`
+(unless `--no-purge`) and checks again: offsets rows, dead letters or purged, no
+superseded or deleted text left, and `pipeline audit` exits 0. The Java producer's
+records (unique ids) are documents published once.
+
 Scenarios (by default seed N runs the ((N-1) mod 10)th): together, join, sigkill,
 stall, broker-restart, foreign, storm (a random mix), slow-batches (a slower
 random model and long texts, so that rebalances find batches in flight), damage
@@ -37,6 +51,7 @@ The harness runs its own broker (scripts/dev-kafka.sh with another port and home
 so it never disturbs the shared one on 9092:
 
     .venv/bin/python scripts/chaos --seeds 1-50 [--scenario NAME[,NAME...]]
+        [--write-mode append|upsert [--no-purge]]
         [--keep-going] [--json FILE] [--port 19092] [--work-dir DIR]
 
 One line per seed (scenario, events, records, lost, doubled, phantom, seconds),

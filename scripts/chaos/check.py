@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import time
 from collections import Counter
@@ -81,6 +82,15 @@ class RowScan:
     bad_vectors: int = 0  # not finite, or not of unit length (the tiny model normalises)
     files: int = 0
     unreadable: list[str] = field(default_factory=list)  # damaged segments left in place
+    # Upsert mode's columns, row by row as in `rows`: (doc_key, deleted); empty otherwise.
+    documents: list[tuple[str | None, bool]] = field(default_factory=list)
+    # Offsets a purge erased (upsert mode), from the footers' segment.purged.
+    purged: list[tuple[int, int]] = field(default_factory=list)
+
+
+_SEGMENT_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d{5})-\d{20}(?:-\d{20})?\.parquet$")
+_PURGED_KEY = b"segment.purged"  # sinks.segments.PURGED_KEY: [[first, last], ...]
+_UPSERT_COLUMNS = ("doc_key", "deleted")
 
 
 def parquet_rows(output: Path, topic: str) -> RowScan:
@@ -92,10 +102,13 @@ def parquet_rows(output: Path, topic: str) -> RowScan:
     for path in sorted((output / "vectors").glob("*.parquet")):
         scan.files += 1
         try:
-            table = pq.read_table(path, columns=columns)
+            schema = pq.read_schema(path)
+            extra = [c for c in _UPSERT_COLUMNS if c in schema.names]
+            table = pq.read_table(path, columns=columns + extra)
         except (OSError, ValueError) as exc:  # pyarrow's errors: its rows count as absent
             scan.unreadable.append(f"{path.name}: {exc}")
             continue
+        _purged(scan, path, schema.metadata or {}, topic)
         if table.num_rows == 0:
             continue
         mine = [t == topic for t in table["topic"].to_pylist()]
@@ -114,11 +127,31 @@ def parquet_rows(output: Path, topic: str) -> RowScan:
             )
             if ok
         ]
+        deleted = np.zeros(table.num_rows, dtype=bool)
+        if extra:
+            keys = table["doc_key"].to_pylist() if "doc_key" in extra else [None] * len(mine)
+            flags = table["deleted"].to_pylist() if "deleted" in extra else [False] * len(mine)
+            deleted = np.array([bool(f) for f in flags], dtype=bool)
+            scan.documents += [
+                (k, bool(f)) for k, f, ok in zip(keys, flags, mine, strict=True) if ok
+            ]
         flat = table["embedding"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
         vectors = flat.reshape(table.num_rows, -1)
         norms = np.linalg.norm(vectors, axis=1)
-        scan.bad_vectors += int((~np.isfinite(norms) | (np.abs(norms - 1) > 1e-3)).sum())
+        bad = ~np.isfinite(norms) | (np.abs(norms - 1) > 1e-3)
+        # A tombstone's row (upsert mode) holds a zero vector: that, and only that, is right.
+        bad[deleted] = norms[deleted] != 0
+        scan.bad_vectors += int(bad.sum())
     return scan
+
+
+def _purged(scan: RowScan, path: Path, metadata: dict[bytes, bytes], topic: str) -> None:
+    text, name = metadata.get(_PURGED_KEY), _SEGMENT_NAME.match(path.name)
+    if not text or name is None or name["topic"] != topic:
+        return
+    partition = int(name["partition"])
+    for first, last in json.loads(text):
+        scan.purged += [(partition, offset) for offset in range(int(first), int(last) + 1)]
 
 
 def dead_letters(records: Iterable[Any], topic: str) -> Counter[tuple[int, int]]:

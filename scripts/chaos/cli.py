@@ -61,6 +61,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help=f"comma-separated, cycled over the seeds [default: by seed: {', '.join(SCENARIOS)}]",
     )
+    parser.add_argument(
+        "--write-mode",
+        choices=["append", "upsert"],
+        default="append",
+        help="upsert: every worker runs with --write-mode upsert; records are versions of a "
+        "bounded pool of documents (updates, tombstones, re-adds), checked against "
+        "DIR/current, and each seed ends with `pipeline compact --purge` and the check again",
+    )
+    parser.add_argument(
+        "--no-purge",
+        dest="purge",
+        action="store_false",
+        help="upsert mode: end each seed without `pipeline compact --purge` and its check "
+        "(purge: %(default)s)",
+    )
     parser.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     parser.add_argument("--port", type=int, default=19092, help="the harness broker's port")
@@ -107,11 +122,25 @@ def summarize(results: list[SeedResult], seconds: float) -> dict[str, Any]:
         "audit_disagreements": [
             r.seed for r in results if r.audit.get("present") and not r.audit.get("agrees")
         ],
+        **(_documents_summary(results) if any(r.write_mode == "upsert" for r in results) else {}),
         "seconds": round(seconds, 1),
         # How many seeds exercised each path (from the workers' logs).
         "exercised_seeds": dict(
             sum((Counter({k: 1 for k, n in r.exercised.items() if n}) for r in results), Counter())
         ),
+    }
+
+
+def _documents_summary(results: list[SeedResult]) -> dict[str, Any]:
+    """Upsert mode's totals: documents live, deletions, and the view's verdicts."""
+    return {
+        "write_mode": "upsert",
+        "documents_live": sum(r.documents.get("live", 0) for r in results),
+        "deletions": sum(r.documents.get("deletions", 0) for r in results),
+        "view_lost": sum(r.view_lost for r in results),
+        "view_extra": sum(r.view_extra for r in results),
+        "view_stale": sum(r.view_stale for r in results),
+        "purge_failed": [r.seed for r in results if r.purge and not r.purge.get("ok")],
     }
 
 

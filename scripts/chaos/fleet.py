@@ -109,6 +109,8 @@ class WorkerSettings:
     # consumers.stages' pauses (pipeline.core.failpoints), e.g. between a batch's dead
     # letters and its publish, for signals to land in.
     failpoints: str = ""
+    write_mode: str = "append"  # upsert: records are versions of documents (--write-mode)
+    view_sync_interval_s: float | None = None  # upsert mode's --view-sync-interval-s
 
 
 class Fleet:
@@ -130,6 +132,10 @@ class Fleet:
         args += ["--poll-timeout-ms", str(s.poll_timeout_ms)]
         args += ["--max-in-flight", str(s.max_in_flight)]
         args += ["--index-sync-interval-s", str(s.index_sync_interval_s)]
+        if s.write_mode != "append":
+            args += ["--write-mode", s.write_mode]
+        if s.view_sync_interval_s is not None:
+            args += ["--view-sync-interval-s", str(s.view_sync_interval_s)]
         return [*args, "--until-end"] if until_end else args
 
     def _env(self) -> dict[str, str]:

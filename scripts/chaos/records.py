@@ -1,5 +1,16 @@
 """The records a seed publishes: good ones of every codec, bad ones that must reach
-the dead-letter topic, and the Java producer's (codecs, transactions, aborts)."""
+the dead-letter topic, and the Java producer's (codecs, transactions, aborts).
+
+In upsert mode (`--write-mode upsert`) the good records are versions of documents
+from a bounded pool of ids (`Documents`): new documents, updates (some twice or
+more), tombstones of documents published before (deletions, not bad records) and
+documents published again after their deletion (re-adds). Each is keyed by its
+document id (the Kafka key is the id's bytes) and sent to the partition that key
+hashes to, so one document stays in one partition. Bad records stay, with the ones
+only upsert mode has: no usable document key, a key that is not UTF-8 or too long.
+The Java producer's records (unique ids `java-<n>`, Kafka keys `k-<n>`, partition
+n mod P) are documents published once each: inserts.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,7 @@ import json
 import random
 import subprocess
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,10 +36,22 @@ _WORDS_TEXT = (
 WORDS = _WORDS_TEXT.split()
 
 
-def good_value(rng: random.Random, ident: str, long_texts: bool = False) -> bytes:
+def good_value(
+    rng: random.Random,
+    ident: str,
+    long_texts: bool = False,
+    version: int | None = None,
+    with_id: bool = True,
+) -> bytes:
+    """A good record; `version`: upsert mode's version of document `ident` (in its text,
+    so that every version's text differs); `with_id=False`: no id field (upsert mode
+    then names the document by the Kafka key)."""
     count = rng.randint(200, 400) if long_texts else rng.randint(3, 40)
     words = " ".join(rng.choice(WORDS) for _ in range(count))
-    value: dict[str, Any] = {"id": ident, "text": f"{words.capitalize()}. ({ident})"}
+    tag = ident if version is None else f"{ident} v{version}"
+    value: dict[str, Any] = {"id": ident, "text": f"{words.capitalize()}. ({tag})"}
+    if not with_id:
+        del value["id"]
     if rng.random() < 0.3:
         value["lang"] = rng.choice(["en", "fr", "de"])
     return json.dumps(value).encode()
@@ -76,6 +100,117 @@ def value_text(value: bytes | None) -> str | None:
     return json.loads(value.decode("utf-8"))["text"]
 
 
+# -- upsert mode ----------------------------------------------------------------------------
+
+MAX_KEY_BYTES = 1024  # the worker's default bound of a document key (--max-key-bytes)
+GOOD, DELETE, BAD = "good", "delete", "bad"
+
+
+def _utf8(key: bytes | None) -> str | None:
+    if key is None:
+        return None
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def upsert_verdict(key: bytes | None, value: bytes | None) -> tuple[str, str | None]:
+    """Upsert mode's contract (`--document-key id`), written independently of the worker:
+    (GOOD, document) for a version of a document, (DELETE, document) for a tombstone
+    that deletes one, (BAD, None) for a dead letter. The document is the value's `id`
+    (a JSON non-string as JSON text), else the Kafka key as UTF-8; a tombstone's is its
+    Kafka key. None, empty, not UTF-8 or over MAX_KEY_BYTES: a bad record."""
+    if value is None:
+        kind, document = DELETE, _utf8(key)
+    else:
+        if is_bad(value):
+            return BAD, None
+        ident = json.loads(value.decode("utf-8")).get("id")
+        if ident is not None and not isinstance(ident, str):
+            ident = json.dumps(ident)
+        kind, document = GOOD, ident if ident is not None else _utf8(key)
+    if not document or len(document.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        return BAD, None
+    return kind, document
+
+
+def _text(i: str) -> str:
+    return f"Lantern by the river ({i})"
+
+
+# Records upsert mode alone sends to the dead letters: no usable document key. (A
+# tombstone without any key is one too, but kafka-python refuses to send one.)
+UPSERT_BAD_MAKERS: dict[str, BadMaker] = {
+    "tombstone-empty-key": lambda rng, i: (b"", None),
+    "tombstone-key-not-utf8": lambda rng, i: (b"\xff\xfe" + i.encode(), None),
+    "no-id-no-key": lambda rng, i: (None, json.dumps({"text": _text(i)}).encode()),
+    "no-id-key-not-utf8": lambda rng, i: (
+        b"\xff" + i.encode(),
+        json.dumps({"text": _text(i)}).encode(),
+    ),
+    "empty-id": lambda rng, i: (i.encode(), json.dumps({"id": "", "text": _text(i)}).encode()),
+    "id-too-long": lambda rng, i: (
+        None,
+        json.dumps({"id": i + "x" * MAX_KEY_BYTES, "text": _text(i)}).encode(),
+    ),
+    "kafka-key-too-long": lambda rng, i: (
+        (i + "y" * MAX_KEY_BYTES).encode(),
+        json.dumps({"text": _text(i)}).encode(),
+    ),
+}
+
+
+class Documents:
+    """Upsert-mode traffic of one seed, shared by every publishing thread: a bounded pool
+    of document ids, each id's versions, and which ids the harness has deleted (for
+    tombstones of published documents and for re-adds). The check reads the topic
+    itself; what is counted here is for the report."""
+
+    def __init__(self, seed: int, pool_size: int) -> None:
+        self.pool = [f"doc-{seed}-{n}" for n in range(pool_size)]
+        self._used = 0  # pool[:_used] have been published
+        self._versions: Counter[str] = Counter()
+        self._live: list[str] = []  # published, not deleted since (in the harness's order)
+        self._deleted: list[str] = []
+        self.counts: Counter[str] = Counter()  # inserts, updates, deletions, re-adds
+        self._lock = threading.Lock()
+
+    def version(self, rng: random.Random) -> tuple[str, int]:
+        """The document the next good record is a version of, and its version number."""
+        with self._lock:
+            exhausted = self._used == len(self.pool)
+            readd = 0.4 * len(self._deleted) / max(self._used, 1)  # about a fifth stay deleted
+            if self._deleted and (rng.random() < readd or (not self._live and exhausted)):
+                ident = self._deleted.pop(rng.randrange(len(self._deleted)))
+                self._live.append(ident)
+                self.counts["re-adds"] += 1
+            elif not exhausted and (not self._live or rng.random() < 0.3):
+                ident = self.pool[self._used]
+                self._used += 1
+                self._live.append(ident)
+                self.counts["inserts"] += 1
+            else:
+                ident = self._live[rng.randrange(len(self._live))]
+                self.counts["updates"] += 1
+            self._versions[ident] += 1
+            return ident, self._versions[ident]
+
+    def deletion(self, rng: random.Random) -> str | None:
+        """A published document to delete (None: none is live)."""
+        with self._lock:
+            if not self._live:
+                return None
+            ident = self._live.pop(rng.randrange(len(self._live)))
+            self._deleted.append(ident)
+            self.counts["deletions"] += 1
+            return ident
+
+    def any_published(self, rng: random.Random) -> str | None:
+        with self._lock:
+            return self.pool[rng.randrange(self._used)] if self._used else None
+
+
 class Ids:
     """Unique record ids for one seed, shared by every publishing thread."""
 
@@ -117,6 +252,46 @@ def make_items(
     return items
 
 
+def make_upsert_items(
+    rng: random.Random,
+    docs: Documents,
+    ids: Ids,
+    count: int,
+    bad_ratio: float,
+    long_texts: bool = False,
+) -> list[tuple[bytes | None, bytes | None, bool]]:
+    """Upsert-mode records: versions of pooled documents keyed by their ids, tombstones
+    of published documents (about one in fifteen), re-adds, and bad records (generic
+    ones keyed by a published document's id, and upsert mode's own)."""
+    items: list[tuple[bytes | None, bytes | None, bool]] = []
+    for _ in range(count):
+        draw = rng.random()
+        if draw < bad_ratio:
+            ident = ids.next()
+            if rng.random() < 0.4:
+                key, value = UPSERT_BAD_MAKERS[rng.choice(list(UPSERT_BAD_MAKERS))](rng, ident)
+                items.append((key, value, True))
+                continue
+            kinds = [k for k in BAD_MAKERS if k != "tombstone"]
+            _, value = BAD_MAKERS[rng.choice(kinds)](rng, ident)
+            document = docs.any_published(rng)  # a bad version of a document changes nothing
+            items.append((document.encode() if document else None, value, True))
+            continue
+        deleted = docs.deletion(rng) if draw < bad_ratio + 0.065 else None
+        if deleted is not None:
+            items.append((deleted.encode(), None, False))
+            continue
+        document, version = docs.version(rng)
+        value = good_value(rng, document, long_texts, version, with_id=rng.random() >= 0.15)
+        items.append((document.encode(), value, False))
+    return items
+
+
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition of a keyed record in upsert mode: one document, one partition."""
+    return zlib.crc32(key) % partitions
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a seed publishes, and what its texts look like."""
@@ -134,12 +309,17 @@ def publish_python(
     ids: Ids,
     count: int,
     published: Published,
+    docs: Documents | None = None,
 ) -> str:
-    """Publishes `count` records with kafka-python and one random codec; returns the codec."""
+    """Publishes `count` records with kafka-python and one random codec; returns the codec.
+    With `docs` (upsert mode), versions of documents, each to its key's partition."""
     from kafka import KafkaProducer
 
     codec = rng.choice(CODECS)
-    items = make_items(rng, ids, count, target.bad_ratio, target.long_texts)
+    if docs is None:
+        items = make_items(rng, ids, count, target.bad_ratio, target.long_texts)
+    else:
+        items = make_upsert_items(rng, docs, ids, count, target.bad_ratio, target.long_texts)
     spread = rng.choice(["round-robin", "random", "one"])
     partitions, topic = target.partitions, target.topic
     producer = KafkaProducer(
@@ -159,6 +339,8 @@ def publish_python(
             part = {"round-robin": (first + n) % partitions, "one": first}.get(
                 spread, rng.randrange(partitions)
             )
+            if docs is not None and key:  # a document's records: its key's partition
+                part = key_partition(key, partitions)
             producer.send(topic, key=key, value=value, partition=part)
         producer.flush(120)
     finally:

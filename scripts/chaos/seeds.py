@@ -18,8 +18,10 @@ from typing import Any
 
 from tiny_model import ensure_tiny_model
 
+from chaos import upsert
 from chaos.broker import Broker
 from chaos.check import (
+    RowScan,
     Verdict,
     check_commits,
     check_index,
@@ -37,7 +39,15 @@ from chaos.check import (
 from chaos.common import BATCH_SIZES, EXERCISED, SLOW_BATCH_SIZES, TMP_SUFFIX, HarnessError
 from chaos.fleet import Fleet, Trickle, WorkerProc, WorkerSettings
 from chaos.plans import EventLog, Step, make_plan
-from chaos.records import Ids, JavaIds, Published, Target, publish_java, publish_python
+from chaos.records import (
+    Documents,
+    Ids,
+    JavaIds,
+    Published,
+    Target,
+    publish_java,
+    publish_python,
+)
 
 
 @dataclass
@@ -68,6 +78,14 @@ class SeedResult:
     harness_error: str | None = None
     seconds: float = 0.0
     work_dir: str = ""
+    write_mode: str = "append"
+    # Upsert mode: documents live, deletions, updated, re-added, the view's and the
+    # index's verdicts, what the purge did and the audit after it.
+    documents: dict[str, Any] = field(default_factory=dict)
+    view_lost: int = 0
+    view_extra: int = 0
+    view_stale: int = 0
+    purge: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -80,11 +98,21 @@ class SeedResult:
             if not self.audit.get("present")
             else ("agree" if self.audit.get("agrees") else "DISAGREE")
         )
+        documents = ""
+        if self.write_mode == "upsert":
+            d, purge = self.documents, self.purge
+            purged = "-" if not purge else ("ok" if purge.get("ok") else "FAIL")
+            documents = (
+                f"docs={d.get('live', 0)} (deleted {d.get('deletions', 0)}, updated "
+                f"{d.get('updated', 0)}, re-added {d.get('readded', 0)}) view "
+                f"lost={self.view_lost} extra={self.view_extra} stale={self.view_stale} "
+                f"purge={purged} "
+            )
         return (
             f"seed {self.seed:>3} {self.scenario:<14} p={self.partitions} "
             f"events={self.steps:>2} records={self.records:>5} (bad {self.bad_records}, "
             f"aborted {self.java_aborted}) lost={self.lost} doubled={self.doubled} "
-            f"phantom={self.phantom} audit={audit} {self.seconds:5.1f}s {status}"
+            f"phantom={self.phantom} audit={audit} {documents}{self.seconds:5.1f}s {status}"
         )
 
 
@@ -110,6 +138,11 @@ class SeedRun:
         self.events = EventLog(self.dir / "events.log", echo=args.verbose)
         self.published = Published()
         self.ids = Ids(seed)
+        self.upsert = getattr(args, "write_mode", "append") == "upsert"
+        self.docs: Documents | None = None
+        if self.upsert:  # its own generator: the plan and the rest draw as in append mode
+            sizes = (40, 120) if self.plan.slow else (120, 450)
+            self.docs = Documents(seed, random.Random(seed * 104_729 + 3).randint(*sizes))
         self.java_ids = JavaIds()
         self.target = Target(
             broker.bootstrap, self.topic, self.partitions, self.plan.slow, self.plan.bad_ratio
@@ -125,6 +158,7 @@ class SeedRun:
             steps=sum(1 for s in self.plan.steps if s.action not in ("sleep", "ready")),
             plan=[str(s) for s in self.plan.steps],
             work_dir=str(self.dir),
+            write_mode="upsert" if self.upsert else "append",
         )
         self.trickle: Trickle | None = None
 
@@ -145,6 +179,8 @@ class SeedRun:
             max_in_flight=rng.choice([1, 2, 2, 3]),
             index_sync_interval_s=rng.choice([1.0, 5.0, 30.0]),
             failpoints=self.plan.failpoints,
+            write_mode="upsert" if self.upsert else "append",
+            view_sync_interval_s=rng.choice([0.5, 2.0, 5.0]) if self.upsert else None,
         )
 
     # -- the run ---------------------------------------------------------------------------
@@ -184,8 +220,9 @@ class SeedRun:
             admin.create_topics([NewTopic(self.topic, self.partitions, 1)])
         finally:
             admin.close()
+        mode = f"upsert mode ({len(self.docs.pool)} document ids), " if self.docs else ""
         self.events.write(
-            f"topic {self.topic} ({self.partitions} partitions), group {self.group}, "
+            f"topic {self.topic} ({self.partitions} partitions), group {self.group}, {mode}"
             f"plan {[str(s) for s in self.plan.steps]}, bulk {self.plan.bulk_workers} "
             f"(stop first: {self.plan.stop_before_bulk}, "
             f"broker restart: {self.plan.restart_during_bulk}, "
@@ -193,7 +230,7 @@ class SeedRun:
         )
 
     def _publish(self, rng: random.Random, count: int) -> None:
-        codec = publish_python(self.target, rng, self.ids, count, self.published)
+        codec = publish_python(self.target, rng, self.ids, count, self.published, self.docs)
         self.events.write(f"published {count} records ({codec})")
 
     def _publish_java(self, rng: random.Random) -> None:
@@ -354,10 +391,15 @@ class SeedRun:
         real = {(r.partition, r.offset): r.value for r in records}
         dlq_topic = f"{self.topic}.dlq"
         dlq_records = read_topic(bootstrap, dlq_topic) if topic_exists(bootstrap, dlq_topic) else []
+        dlq = dead_letters(dlq_records, self.topic)
         scan = parquet_rows(self.output, self.topic)
-        rows = scan.rows
-        verdict = check_records(real, rows, dead_letters(dlq_records, self.topic))
-        check_index(verdict, rows, index_entries(self.output, self.topic))
+        if self.upsert:
+            want = upsert.expected(records, self.topic)
+            verdict = self._check_documents(want, scan, dlq)
+        else:
+            rows = scan.rows
+            verdict = check_records(real, rows, dlq)
+            check_index(verdict, rows, index_entries(self.output, self.topic))
         verdict.other_topics, verdict.bad_vectors = scan.other_topics, scan.bad_vectors
         verdict.unreadable = scan.unreadable
         committed = group_committed(bootstrap, self.group, self.topic, self.partitions)
@@ -366,6 +408,69 @@ class SeedRun:
         self._record(verdict)
         self._check_leftovers()
         self.result.audit = run_audit(bootstrap, self.output, self.group, self.topic, verdict.clean)
+        if self.upsert and getattr(self.args, "purge", True):
+            self._purge_and_check(want, dlq)
+
+    def _check_documents(
+        self, want: upsert.Expected, scan: RowScan, dlq: Counter[tuple[int, int]]
+    ) -> Verdict:
+        """Upsert mode: every offset in its place, DIR/current against the topic's live
+        documents, the index's shard files and what it serves."""
+        verdict, docs = upsert.check_records(want, scan, dlq)
+        upsert.check_view(docs, want, upsert.view_rows(self.output), self.topic)
+        upsert.check_index(docs, want, scan, upsert.index_ids(self.output, self.topic))
+        r = self.result
+        r.documents = {
+            "live": docs.documents,
+            "deletions": docs.deletions,
+            "updated": docs.updated,
+            "readded": docs.readded,
+            "view_rows": docs.view_rows,
+            "view_doubled": len(docs.view_doubled),
+            "index": docs.index,
+            "published": dict(self.docs.counts) if self.docs else {},
+        }
+        r.view_lost, r.view_extra = len(docs.view_lost), len(docs.view_extra)
+        r.view_stale = len(docs.view_stale)
+        r.problems += docs.problems()
+        return verdict
+
+    def _purge_and_check(self, want: upsert.Expected, dlq: Counter[tuple[int, int]]) -> None:
+        """`pipeline compact --purge`, then the check again: the same documents, every
+        superseded or deleted row erased (its offset purged), and the audit exits 0."""
+        if not self.result.ok:
+            self.result.purge = {"skipped": "the check before it failed (evidence kept)"}
+            return
+        bootstrap = self.broker.bootstrap
+        done = upsert.run_purge(bootstrap, self.output)
+        problems = [] if done["rc"] == 0 else [f"exited {done['rc']}: {done.get('error')}"]
+        scan = parquet_rows(self.output, self.topic)
+        verdict, docs = upsert.check_records(want, scan, dlq, purged_phase=True)
+        upsert.check_view(docs, want, upsert.view_rows(self.output), self.topic)
+        upsert.check_index(docs, want, scan, upsert.index_ids(self.output, self.topic))
+        verdict.other_topics, verdict.bad_vectors = scan.other_topics, scan.bad_vectors
+        verdict.unreadable = scan.unreadable
+        problems += verdict.problems() + docs.problems()
+        if done["rc"] == 0 and done.get("live_documents") != len(want.live):
+            problems.append(
+                f"purge reported {done.get('live_documents')} live documents, "
+                f"{len(want.live)} expected"
+            )
+        audit = run_audit(bootstrap, self.output, self.group, self.topic, verdict.clean)
+        if audit.get("present") and audit.get("rc") != 0:
+            why = audit.get("error") or audit.get("partitions") or audit.get("totals")
+            problems.append(f"audit after the purge exited {audit.get('rc')}: {why}")
+        self.result.purge = {
+            **{k: v for k, v in done.items() if k != "error"},
+            "rows_after": len(scan.rows),
+            "purged_offsets": len(scan.purged),
+            "index": docs.index,
+            "audit_rc": audit.get("rc"),
+            "audit_totals": audit.get("totals"),
+            "problems": problems,
+            "ok": not problems,
+        }
+        self.result.problems += [f"after purge: {p}" for p in problems]
 
     def _check_leftovers(self) -> None:
         """Temp files left in DIR/vectors, and what went to DIR/quarantine (informational),
