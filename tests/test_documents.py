@@ -23,7 +23,8 @@ from pipeline.core.documents import (
 from pipeline.core.layout import SegmentKey, iter_segments
 from pipeline.core.model_info import ModelInfo
 from pipeline.core.records import BadRecord, GoodRecord, RecordParser, SourceRecord
-from sinks.index.check import check_index
+from sinks.index.check import IndexReport
+from sinks.index.check import check_index as check_index_files
 from sinks.index.store import IndexStore, decode_id
 from sinks.parquet import ParquetSink
 from sinks.purge import purge
@@ -32,6 +33,11 @@ from sinks.view import ViewStore
 from sinks.view_plan import newer
 
 DIM = 8
+
+
+def check_index(root: Path) -> IndexReport:
+    """`pipeline index check` as the CLI runs it on an upsert output: against the view."""
+    return check_index_files(root, judged=ViewStore(root).snapshot())
 
 
 def source(offset: int, key: bytes | None, value: bytes | None, partition: int = 0, ts: int = 0):

@@ -241,8 +241,10 @@ def index_check(output: Path, recall: bool, as_json: bool) -> None:
 
     from pipeline.core.errors import IndexStateError
     from sinks.index.check import check_index
+    from sinks.view import ViewStore, has_view
 
-    report = check_index(output, recall=recall)
+    judged = ViewStore(output).snapshot() if has_view(output) else None  # upsert mode
+    report = check_index(output, recall=recall, judged=judged)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=1, sort_keys=True))
     else:

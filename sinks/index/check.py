@@ -1,6 +1,6 @@
 """`pipeline index check`: the index against the Parquet files, read independently
-(and in upsert mode against the current view: the versions it has superseded or
-deleted must not be served).
+(and in upsert mode against the current view, given as `judged`: the versions it has
+superseded or deleted must not be served).
 
 Every id in the shard files is compared with the (topic, partition, offset) of
 every Parquet row the index claims to cover (offsets up to its coverage): none
@@ -10,6 +10,7 @@ vectors, so it runs in seconds on millions of rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,16 @@ import numpy as np
 
 from pipeline.core.documents import DELETED
 from pipeline.core.errors import IndexStateError
-from pipeline.core.layout import iter_segments, segments_by_partition
+from pipeline.core.layout import TopicPartitionKey, iter_segments, segments_by_partition
 from sinks.index import metric as metrics
 from sinks.index.shards import table_vectors
 from sinks.index.store import IndexMeta, IndexStore, encode_id
 from sinks.index.trained import RECALL_QUERIES, ExactTopK, training_sample
 from sinks.segments import read_table
-from sinks.view import ViewStore, has_view
+
+# Upsert mode: the current view's positions and live offsets per partition (sinks.view:
+# ViewStore.snapshot); of the rows it has judged, only the live ones are expected.
+Judged = tuple[Mapping[TopicPartitionKey, int], Mapping[TopicPartitionKey, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class IndexReport:
         return dict(asdict(self), ok=self.ok)
 
 
-def check_index(output: Path, recall: bool = False) -> IndexReport:
+def check_index(output: Path, recall: bool = False, judged: Judged | None = None) -> IndexReport:
     """The report; with `recall`, also recall@10 of the index as it is searched now
     (trained shard and later flat shards together) against exact search over the
     Parquet vectors, for RECALL_QUERIES queries drawn from them."""
@@ -60,7 +64,7 @@ def check_index(output: Path, recall: bool = False) -> IndexReport:
     if meta is None:
         raise IndexStateError(f"no index in {store.directory}; run: pipeline index rebuild")
     unique, counts = np.unique(ids, return_counts=True)
-    expected, uncovered = _covered_row_ids(output, meta.topics, meta.covered)
+    expected, uncovered = _covered_row_ids(output, meta.topics, meta.covered, judged)
     return IndexReport(
         index_type=meta.index_type,
         vectors=len(ids),
@@ -107,12 +111,11 @@ def measure_recall(
 
 
 def _covered_row_ids(
-    output: Path, topics: dict[str, int], covered: dict[str, int]
+    output: Path, topics: dict[str, int], covered: dict[str, int], view: Judged | None
 ) -> tuple[np.ndarray, int]:
     parts = [np.empty(0, dtype=np.int64)]
     uncovered = 0
-    # Upsert mode: rows the current view has judged are expected only if live there.
-    judged, live = ViewStore(output).snapshot() if has_view(output) else ({}, {})
+    judged, live = view if view is not None else ({}, {})
     for (topic, partition), segments in segments_by_partition(output).items():
         through = covered.get(f"{topic}:{partition}", -1)
         for segment in segments:
