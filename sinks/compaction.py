@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +127,13 @@ class Erasure:
         if through is None:
             return np.zeros(len(offsets), dtype=bool)
         return (offsets <= through) & ~np.isin(offsets, self.keep.get(key, _NONE))
+
+    @staticmethod
+    def purged(
+        before: Iterable[tuple[int, int]], erased: list[np.ndarray]
+    ) -> list[tuple[int, int]]:
+        """A footer's purged ranges: those it named `before`, and the `erased` offsets."""
+        return _merge_ranges([*before, *_ranges_of(erased)])
 
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -299,7 +306,7 @@ def _write_merged(run: Run, path: Path, erase: Erasure | None = None) -> tuple[i
     # them first (at most a merge's target size, held once).
     if erase is not None:
         batches = iter(list(batches))
-    purged = _merge_ranges([r for info in run.sources for r in info.purged] + _ranges_of(erased))
+    purged = Erasure.purged([r for info in run.sources for r in info.purged], erased)
     # The run's first start note, and its last segment's dead-letter mark: the next owner
     # of the partition reads dead letters from where the newest segment says.
     meta = segment_metadata(

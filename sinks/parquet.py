@@ -298,6 +298,13 @@ class ParquetSink:
         return table.cast(self._schema.with_metadata(table.schema.metadata))
 
 
+def encode(table: pa.Table) -> bytes:
+    """A segment's bytes, written as the sink writes segments."""
+    buffer = pa.BufferOutputStream()
+    _write(table, buffer)
+    return buffer.getvalue().to_pybytes()
+
+
 def _write(table: pa.Table, sink: Any) -> None:
     pq.write_table(
         table,

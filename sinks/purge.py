@@ -12,7 +12,8 @@ more, so workers may go on writing and applying meanwhile.
    at one version;
 2. a compaction rewrites each segment holding erasable rows without them, its
    footer recording their offsets as purged (sinks.segments: the audit counts them
-   as accounted for, not missing), and the swapped-aside files are removed;
+   as accounted for, not missing), and the swapped-aside files are removed; on an
+   object store each such segment is written again under its own name;
 3. the index is rebuilt from the purged segments (its shard files held every
    version), keeping only the removals of versions still in them;
 4. the view's fragments holding deleted rows are rewritten and its versions older
@@ -22,17 +23,27 @@ more, so workers may go on writing and applying meanwhile.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
 
 from pipeline.core.errors import OutputError
+from pipeline.core.layout import Output, describe, segments_by_partition, vectors_key
 from sinks.compaction import DEFAULT_TARGET_BYTES, CompactionReport, Erasure, compact, settle
 from sinks.index.shards import FLAT
 from sinks.index.store import IndexStore
+from sinks.parquet import encode
+from sinks.segments import PURGED_KEY, DamagedSegment, info_from_metadata, read_table
 from sinks.view import ViewStore, has_view
+
+if TYPE_CHECKING:
+    from sinks.objectstore import ObjectStore
 
 
 @dataclass
@@ -51,25 +62,27 @@ class PurgeReport:
 
 
 def purge(
-    output: Path,
+    output: Output,
     target_bytes: int = DEFAULT_TARGET_BYTES,
     retention_s: float = 0.0,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> PurgeReport:
     """See the module's doc; `should_stop` as for compaction (a stopping worker)."""
-    if not isinstance(output, Path):
-        raise OutputError("--purge of object-store outputs is not supported yet")
     if not has_view(output):
         raise OutputError(
-            f"{output} has no current view: --purge erases superseded and deleted documents "
-            "of an upsert-mode output (pipeline run --write-mode upsert)"
+            f"{describe(output)} has no current view: --purge erases superseded and deleted "
+            "documents of an upsert-mode output (pipeline run --write-mode upsert)"
         )
     started = time.perf_counter()
     view = ViewStore(output, index=IndexStore(output))
     view.sync()
     through, keep = view.snapshot()
-    compacted = compact(output, target_bytes, should_stop=should_stop, erase=Erasure(through, keep))
-    settle(output)
+    erase = Erasure(through, keep)
+    if isinstance(output, Path):
+        compacted = compact(output, target_bytes, should_stop=should_stop, erase=erase)
+        settle(output)
+    else:
+        compacted = _purge_objects(output, erase)
     meta = IndexStore(output).saved_meta()
     rebuilt = IndexStore(output, index_type=meta.index_type if meta else FLAT)
     vectors = rebuilt.rebuild()
@@ -83,3 +96,33 @@ def purge(
         index_vectors=vectors,
         seconds=time.perf_counter() - started,
     )
+
+
+def _purge_objects(store: ObjectStore, erase: Erasure) -> CompactionReport:
+    """On an object store, which has no compaction: each segment holding erased rows is
+    written again under its own name without them (a PUT replaces an object whole, so
+    a reader gets the old segment or the new one, of the same range), its footer
+    naming the erased offsets purged."""
+    report = CompactionReport()
+    for key, segments in segments_by_partition(store).items():
+        report.files_before += len(segments)
+        for segment in segments:
+            try:
+                table = read_table(segment)
+                info = info_from_metadata(segment, table.schema.metadata, table.num_rows)
+            except (FileNotFoundError, DamagedSegment, OSError, pa.ArrowException):
+                continue  # gone, or damaged: a worker repairs it from Kafka
+            offsets = table.column("offset").to_numpy().astype(np.int64)
+            mask = erase.mask(key, offsets)
+            if not mask.any():
+                continue
+            metadata = dict(table.schema.metadata or {})
+            purged = Erasure.purged(info.purged, [offsets[mask]])
+            metadata[PURGED_KEY.encode()] = json.dumps([list(r) for r in purged]).encode()
+            kept = table.filter(pa.array(~mask)).replace_schema_metadata(metadata)
+            store.put(vectors_key(segment.name), encode(kept))
+            report.erased += int(mask.sum())
+            report.merged_files += 1
+            report.rows += kept.num_rows
+    report.files_after = report.files_before
+    return report

@@ -209,6 +209,22 @@ def test_updates_and_deletes_land_once_through_a_sigkill(
         .stdout
     )["hits"]  # fmt: skip
     assert hits and all(live[h["doc_key"]]["offset"] == h["offset"] for h in hits)
+    # Erasure, there too: afterwards the history holds the live versions only.
+    pipeline(broker, "compact", "--purge", "--output", str(output))
+    for command in (["audit", "--group", group_id, "--topic", topic], ["index", "check"]):
+        pipeline(broker, *command, "--output", str(output))
+    history = tmp_path / "after-purge"
+    if isinstance(output, Path):
+        history = output
+    else:
+        from tests.test_s3_output import mirror
+
+        mirror(output, history)
+    kept = []
+    for path in (history / "vectors").glob("*.parquet"):
+        table = pq.read_table(path, columns=["doc_key", "text"])
+        kept += zip(table["doc_key"].to_pylist(), table["text"].to_pylist(), strict=True)
+    assert sorted(kept) == sorted((k, r["text"]) for k, r in the_view(output).items())
 
 
 def test_purges_while_a_worker_writes_lose_nothing_and_resurrect_nothing(
