@@ -434,12 +434,18 @@ class ViewStage(PeriodicStage):
     sinks.view), off the write path, so that a slow apply never holds a publish."""
 
     def __init__(
-        self, view: ViewStore, stop: threading.Event, interval_s: float, upkeep_s: float
+        self,
+        view: ViewStore,
+        stop: threading.Event,
+        interval_s: float,
+        upkeep_s: float,
+        metrics: WorkerMetrics,
     ) -> None:
         """`upkeep_s`: how often the view's files are compacted and its old versions
         removed (sinks.view: maintain); 0: never."""
         super().__init__("view", stop, interval_s)
         self.view = view
+        self.metrics = metrics
         self.upkeep_s = upkeep_s
         self._upkept = time.monotonic()
 
@@ -453,6 +459,9 @@ class ViewStage(PeriodicStage):
                 )
         if self.view.sync():
             stats = self.view.last_sync
+            self.metrics.view_apply_seconds.observe(stats.seconds / max(1, stats.commits))
+            self.metrics.view_changes.labels("upserted").inc(stats.upserted)
+            self.metrics.view_changes.labels("deleted").inc(stats.deleted)
             log.debug(
                 "view: %d rows applied (%d upserted, %d deleted) in %d commit(s), %.3fs",
                 stats.applied_rows,
@@ -490,9 +499,8 @@ def start_stages(
     stages: list[Stage] = [embed, write]
     if view is not None:
         storage = config.storage
-        stages.append(
-            ViewStage(view, stop, storage.view_sync_interval_s, storage.compact_interval_s)
-        )
+        upkeep = storage.compact_interval_s
+        stages.append(ViewStage(view, stop, storage.view_sync_interval_s, upkeep, metrics))
     if config.storage.compact_interval_s > 0 and not is_local(config.output):
         log.info("compaction: off, as the output is on an object store (not supported yet)")
     elif config.storage.compact_interval_s > 0:

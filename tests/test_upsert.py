@@ -99,6 +99,10 @@ def test_the_issue_corpus_ends_as_the_corpus_is_now(
     checks = (["audit", "--group", group_id, "--topic", topic], ["index", "check"])
     for command in checks:
         assert pipeline(broker, *command, "--output", str(output)).returncode == 0
+    status = pipeline(broker, "status", "--group", group_id, "--output", str(output), "--json")
+    (partition,) = json.loads(status.stdout)["partitions"]
+    assert partition["view_through"] == partition["covered_through"] == 5
+    assert partition["mismatch"] is None  # a tombstone's row has no vector: no false alarm
     # Erasure: the deleted and superseded texts leave every file; the offsets stay accounted.
     purged = pipeline(broker, "compact", "--purge", "--json", "--output", str(output))
     assert json.loads(purged.stdout)["erased_rows"] == 3

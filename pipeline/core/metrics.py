@@ -184,6 +184,19 @@ class WorkerMetrics:
         self.index_vectors = Gauge(
             "pipeline_index_vectors", "Vectors in the FAISS index after the last sync", registry=r
         )
+        # Upsert mode's current view (sinks.view).
+        self.view_apply_seconds = Histogram(
+            "pipeline_view_apply_seconds",
+            "Time per apply of published segments to the current view (one commit each)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.view_changes = Counter(
+            "pipeline_view_changes",
+            "Changes applied to the current view, by kind",
+            ["change"],
+            registry=r,
+        )
         # The embedding cache by content (pipeline.model.cache).
         self.cache_hits = Counter(
             "pipeline_cache_hits",

@@ -2,7 +2,8 @@
 
 Footers only (cheap): rows, files, how far the segments reach, and whether they
 tile every offset below the committed one (`pipeline.audit.output_coverage`,
-the same check `pipeline audit` makes), plus the index's entry counts. A
+the same check `pipeline audit` makes), plus the index's entry counts and, in
+upsert mode, how far the current view has applied each partition. A
 partition whose segments leave a gap below the committed offset, or overlap,
 gets the MISMATCH verdict; an index that lags its rows is only reported (the
 index is synced some seconds after the segments are published).
@@ -18,6 +19,7 @@ from typing import Any
 from pipeline.audit.coverage import Coverage, check_coverage, output_coverage
 from pipeline.core.layout import Output, describe, has_vectors
 from sinks.index.files import index_files
+from sinks.view import ViewStore, has_view
 
 Key = tuple[str, int]
 
@@ -26,6 +28,10 @@ Key = tuple[str, int]
 class PartitionOutput:
     coverage: Coverage
     index_entries: int | None
+    # Upsert mode: the last offset the current view has applied (None: nothing yet);
+    # absent in append mode.
+    view_through: int | None = None
+    upsert: bool = False
 
     @property
     def mismatched(self) -> bool:
@@ -44,12 +50,14 @@ class PartitionOutput:
             "doubled": [list(r) for r in coverage.overlaps],
             "damaged": [d.path for d in coverage.damaged],
             "mismatch": self.mismatch(),
+            **({"view_through": self.view_through} if self.upsert else {}),
         }
 
     def mismatch(self) -> str | None:
         problems = self.coverage.problems()
         rows = self.coverage.rows
-        if self.index_entries is not None and self.index_entries != rows:
+        # Upsert mode: tombstones are rows without a vector, so the counts differ.
+        if not self.upsert and self.index_entries is not None and self.index_entries != rows:
             problems.append(f"index has {self.index_entries} entries for {rows} rows")
         return "; ".join(problems) or None
 
@@ -66,10 +74,13 @@ def output_facts(
     entries, problem = index_entries(output)
     if problem:
         warnings.append(problem)
+    upsert = has_view(output)
+    positions = ViewStore(output).positions() if upsert else {}
     facts = {}
     for key in keys:
         found = coverage.get(key) or check_coverage(key, [], [], committed.get(key))
-        facts[key] = PartitionOutput(found, entries.get(key))
+        through = positions.get(f"{key[0]}:{key[1]}")
+        facts[key] = PartitionOutput(found, entries.get(key), through, upsert)
         warnings.extend(
             f"damaged segment {d.path}: {d.reason} (its offsets count as missing)"
             for d in found.damaged
