@@ -409,3 +409,17 @@ def test_upkeep_compacts_the_view_and_keeps_its_positions(tmp_path: Path) -> Non
     assert view.state() == before and out.view() == rows
     out.write(("a", "later"))
     assert view.sync() == 1 and out.view()["a"]["text"] == "later"
+
+
+def test_a_view_left_without_its_key_index_gets_it_back(tmp_path: Path) -> None:
+    out = Upserts(tmp_path)
+    out.write(("a", "one"))
+    view = ViewStore(tmp_path)
+    view.sync()
+    dataset = lance.dataset(str(tmp_path / "current"))
+    dataset.drop_index("doc_key_idx")  # as if killed between the table and its index
+    out.write(("a", "two"), ("b", "three"))
+    view.sync()
+    names = [i.name for i in lance.dataset(str(tmp_path / "current")).describe_indices()]
+    assert names == ["doc_key_idx"]
+    assert {k: r["text"] for k, r in out.view().items()} == {"a": "two", "b": "three"}
