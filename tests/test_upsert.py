@@ -103,6 +103,11 @@ def test_the_issue_corpus_ends_as_the_corpus_is_now(
     (partition,) = json.loads(status.stdout)["partitions"]
     assert partition["view_through"] == partition["covered_through"] == 5
     assert partition["mismatch"] is None  # a tombstone's row has no vector: no false alarm
+    pipeline(broker, "compact", "--output", str(output))  # the view's upkeep too
+    assert {k: r["text"] for k, r in view_rows(output).items()} == {
+        "doc1": "The cafeteria now serves curry on Mondays.",
+        "doc3": "The library opens at nine.",
+    }
     # Erasure: the deleted and superseded texts leave every file; the offsets stay accounted.
     purged = pipeline(broker, "compact", "--purge", "--json", "--output", str(output))
     assert json.loads(purged.stdout)["erased_rows"] == 3

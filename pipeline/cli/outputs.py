@@ -102,7 +102,8 @@ def compact(
 
     Safe while workers run: readers listing OUTPUT/vectors see the sources or
     the merged files, never both and never neither; ranges, restart points and
-    the index do not change. With --purge (upsert mode), superseded and deleted
+    the index do not change. In upsert mode the current view's small files are merged
+    and its versions older than an hour removed too. With --purge, superseded and deleted
     documents are erased from every file; their offsets stay accounted for.
     """
     import json
@@ -129,6 +130,7 @@ def compact(
     report = compact_output(output, target_bytes=target_mb << 20, dry_run=dry_run)
     if not dry_run and isinstance(output, Path):
         settle(output)  # the old files go once readers listing them are done (seconds)
+        _tidy_view(output)
     if as_json:
         click.echo(json.dumps(dict(report.as_dict(), dry_run=dry_run), indent=1, sort_keys=True))
         return
@@ -140,6 +142,14 @@ def compact(
     )
     for line in report.skipped:
         click.echo(f"skipped {line}", err=True)
+
+
+def _tidy_view(output: Path) -> None:
+    """Upsert mode: the current view's small files merged, old versions removed."""
+    from sinks.view import ViewStore, has_view
+
+    if has_view(output) and not ViewStore(output).maintain():
+        click.echo("view: another worker holds it; its upkeep is left to that one", err=True)
 
 
 # -- index ----------------------------------------------------------------------------
