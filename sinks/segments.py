@@ -20,9 +20,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.core.documents import DELETED
 from pipeline.core.errors import OutputError
 from pipeline.core.layout import QUARANTINE_DIR, Output, SegmentFile, describe, quarantine_dir
 from sinks.vectors_swap import VectorsLock
@@ -217,6 +219,29 @@ def last_offset(segment: SegmentFile) -> int:
     if segment.named_last is not None:
         return segment.named_last
     return read_info(segment).last
+
+
+def segments_past(segments: Sequence[SegmentFile], through: int) -> list[SegmentFile]:
+    """Of a partition's segments (in offset order), those that may hold rows past
+    `through`: the ones starting after it, and the last one starting at or before it
+    where that runs past it (one written again after its partition's damaged last
+    segment, or a merged one). One unreadable now is left to the worker that repairs it."""
+    later = [s for s in segments if s.key.first > through]
+    earlier = [s for s in segments if s.key.first <= through]
+    if earlier:
+        try:
+            if last_offset(earlier[-1]) > through:
+                later.insert(0, earlier[-1])
+        except (DamagedSegment, FileNotFoundError):
+            pass
+    return later
+
+
+def with_vectors(table: pa.Table) -> np.ndarray:
+    """Which of a segment's rows hold a vector: all but upsert mode's deletion rows."""
+    if DELETED not in table.column_names:
+        return np.ones(table.num_rows, dtype=bool)
+    return ~table.column(DELETED).to_numpy(zero_copy_only=False)
 
 
 def covered_through(segments: Sequence[SegmentFile]) -> int | None:

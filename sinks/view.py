@@ -9,14 +9,15 @@ table itself, so a worker restarted, rebalanced or killed at any instant neither
 applies a change twice nor skips one: a commit either landed with its positions or
 did not land.
 
-An apply resolves its rows to one change per document (the latest version: the
-highest offset within a partition; across partitions, the later record timestamp,
-then the larger topic and partition), then merges them in one `merge_insert`: an
-update replaces the live row where it is newer, a new document is inserted, and a
-deletion removes the live row where the tombstone is newer. Its cost is that of the
-changes and of the key lookups (a BTREE index on `doc_key`), not of the table:
-Lance writes deletion files and new fragments, where a copy-on-write format
-rewrites every file a change touches (the measurement: docs/documents.md).
+An apply looks up the live versions of the documents its rows name, lets
+sinks.view_plan decide which version of each wins (the highest offset within a
+partition; across partitions, the later record timestamp, then the larger topic and
+partition), and commits one `merge_insert` on (document, offset): the live rows
+replaced or deleted match and go, the new versions match nothing and come in. Its
+cost is that of the changes and of the key lookups (a BTREE index on `doc_key`),
+not of the table: Lance writes deletion files and new fragments, where a
+copy-on-write format rewrites every file a change touches (the measurement:
+docs/documents.md).
 
 Lance was chosen over Delta Lake by that measurement; readers: pylance, Polars and
 DuckDB through `lance.dataset(...)` (an Arrow dataset), Spark through lance-spark.
@@ -43,9 +44,9 @@ import pyarrow.compute as pc
 
 from pipeline.core.documents import DELETED, DOC_KEY
 from pipeline.core.errors import OutputError
-from pipeline.core.layout import Output, SegmentFile, TopicPartitionKey, segments_by_partition
+from pipeline.core.layout import Output, TopicPartitionKey, segments_by_partition
 from sinks.index.store import IndexStore
-from sinks.segments import DamagedSegment, last_offset, read_rows
+from sinks.segments import DamagedSegment, read_rows, segments_past
 from sinks.view_lock import LEASE_S, LocalLock, StoreLease
 from sinks.view_plan import ORDER, plan
 
@@ -63,7 +64,7 @@ COLUMNS = [
     "timestamp", "metadata",
 ]  # fmt: skip
 _LOOKUP_KEYS = 4096  # keys per lookup of live versions (one IN list each)
-# Rows read into one apply, at most (a segment is never split): bounds its memory.
+# Rows read into one apply, at most: bounds its memory.
 MAX_APPLY_ROWS = 200_000
 # And at most this many bytes of them: the merge joins them in Lance's memory pool
 # (300 MB by default), which a larger source overran.
@@ -142,7 +143,6 @@ class ViewStore:
             self.uri = f"{output.url.rstrip('/')}/{VIEW_DIR}"
             self.options = output.connection_options()
             self.lock = StoreLease(output)
-        self.path = self.uri  # where, in messages
         self.max_apply_rows = max_apply_rows
         self.last_sync = ViewStats()
         self.damaged: list[DamagedSegment] = []
@@ -177,7 +177,7 @@ class ViewStore:
             if properties and POSITIONS in properties:
                 return ViewState.of(properties)
         raise OutputError(
-            f"the view at {self.path} records no positions; remove it and a worker rebuilds it"
+            f"the view at {self.uri} records no positions; remove it and a worker rebuilds it"
         )
 
     def live(self, where: Sequence[tuple[str, int, int]], columns: Sequence[str]) -> pa.Table:
@@ -346,9 +346,9 @@ class ViewStore:
         return found
 
     def _pending(self, positions: dict[str, int]) -> tuple[pa.Table, dict[str, int]]:
-        """Segment rows past the positions (whole segments, up to max_apply_rows rows and
-        MAX_APPLY_BYTES bytes), and
-        the positions they take each partition to."""
+        """Segment rows past the positions (up to max_apply_rows rows and MAX_APPLY_BYTES
+        bytes: a part of a larger segment at a time), and the positions they take each
+        partition to."""
         self.damaged = []
         tables: list[pa.Table] = []
         moved: dict[str, int] = {}
@@ -356,7 +356,7 @@ class ViewStore:
         for (topic, partition), segments in segments_by_partition(self.output).items():
             key = _tp(topic, partition)
             through = positions.get(key, -1)
-            for segment in _past(segments, through):
+            for segment in segments_past(segments, through):
                 if count >= self.max_apply_rows or size >= MAX_APPLY_BYTES:
                     break
                 try:
@@ -408,20 +408,6 @@ def _rows_within(table: pa.Table, budget: int) -> int:
     if table.nbytes <= budget or not table.num_rows:
         return table.num_rows
     return max(1, int(table.num_rows * max(budget, 0) / table.nbytes))
-
-
-def _past(segments: list[SegmentFile], through: int) -> list[SegmentFile]:
-    """The segments that may hold rows past `through` (the last one starting inside
-    may run past it), in offset order."""
-    later = [s for s in segments if s.key.first > through]
-    earlier = [s for s in segments if s.key.first <= through]
-    if earlier:
-        try:
-            if last_offset(earlier[-1]) > through:
-                later.insert(0, earlier[-1])
-        except (DamagedSegment, FileNotFoundError):
-            pass
-    return later
 
 
 def _literal(text: str) -> str:

@@ -63,7 +63,8 @@ class DocumentKeys:
         Kafka key is not UTF-8; `keyed` has sent such records to the dead letters)."""
         if self.by == BY_ID and record.record_id is not None:
             return record.record_id
-        return _kafka_key(record.source)
+        key = _kafka_key_or_error(record.source)
+        return key if isinstance(key, str) else None
 
     def keyed(self, parsed: Iterable[GoodRecord | BadRecord]) -> list[Keyed]:
         """The parser's verdicts in upsert mode: tombstones become deletions, and
@@ -100,13 +101,6 @@ class DocumentKeys:
                 source, STAGE_VALIDATE, KEY_TOO_LONG,
                 f"document key is {size} bytes, over the bound of {self.max_bytes}",
             )  # fmt: skip
-        return None
-
-
-def _kafka_key(source: Source) -> str | None:
-    try:
-        return source.key.decode("utf-8") if source.key is not None else None
-    except UnicodeDecodeError:
         return None
 
 

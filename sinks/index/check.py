@@ -24,7 +24,7 @@ from sinks.index import metric as metrics
 from sinks.index.shards import table_vectors
 from sinks.index.store import IndexMeta, IndexStore, encode_id
 from sinks.index.trained import RECALL_QUERIES, ExactTopK, training_sample
-from sinks.segments import read_table
+from sinks.segments import read_table, with_vectors
 
 # Upsert mode: the current view's positions and live offsets per partition (sinks.view:
 # ViewStore.snapshot); of the rows it has judged, only the live ones are expected.
@@ -123,9 +123,8 @@ def _covered_row_ids(
                 table = read_table(segment, ["offset"], optional=[DELETED])
             except (OSError, ValueError) as exc:
                 raise IndexStateError(f"cannot read {segment.where}: {exc}") from exc
-            offsets_np = table.column("offset").to_numpy().astype(np.int64)
-            if DELETED in table.column_names:  # upsert mode: a deletion's row has no vector
-                offsets_np = offsets_np[~table.column(DELETED).to_numpy(zero_copy_only=False)]
+            offsets_np = table.column("offset").to_numpy().astype(np.int64)[with_vectors(table)]
+            if DELETED in table.column_names:  # upsert mode: what the view judged
                 seen = offsets_np <= judged.get((topic, partition), -1)
                 alive = np.isin(offsets_np, live.get((topic, partition), offsets_np[:0]))
                 offsets_np = offsets_np[~seen | alive]

@@ -84,7 +84,7 @@ from sinks.index.shards import (
     write_checked,
 )
 from sinks.index.trained import TrainedBuilder, trained_builder
-from sinks.segments import DamagedSegment, last_offset, read_rows, read_schema
+from sinks.segments import DamagedSegment, read_rows, read_schema, segments_past, with_vectors
 
 __all__ = ["INDEX_TYPES", "Hit", "IndexMeta", "IndexStore", "SyncStats", "decode_id", "encode_id"]
 
@@ -264,21 +264,8 @@ class IndexStore(Removals):
         covered = self._meta.covered if self._meta else {}
         pending: dict[TopicPartitionKey, list[SegmentFile]] = {}
         for key, segments in segments_by_partition(self.output).items():
-            through = covered.get(_key(*key), -1)
-            later = [s for s in segments if s.key.first > through]
-            earlier = [s for s in segments if s.key.first <= through]
-            # The last segment starting inside the coverage may run past it (one
-            # written again after its partition's damaged last segment).
-            if earlier and self._runs_past(earlier[-1], through):
-                later.insert(0, earlier[-1])
-            pending[key] = later
+            pending[key] = segments_past(segments, covered.get(_key(*key), -1))
         return pending
-
-    def _runs_past(self, segment: SegmentFile, through: int) -> bool:
-        try:
-            return last_offset(segment) > through
-        except (DamagedSegment, FileNotFoundError):
-            return False  # not readable now; a worker repairs it
 
     def _add_segment(self, segment: SegmentFile, sink: VectorSink, index_type: str) -> int:
         table, info = read_rows(segment, ["offset", "embedding"], optional=[DELETED])
@@ -286,9 +273,7 @@ class IndexStore(Removals):
         key = _key(*segment.key.partition_key)
         through = meta.covered.get(key, -1)
         offsets = table.column("offset").to_numpy().astype(np.int64)
-        fresh = offsets > through
-        if DELETED in table.column_names:  # upsert mode: a deletion's row has no vector
-            fresh &= ~table.column(DELETED).to_numpy(zero_copy_only=False)
+        fresh = (offsets > through) & with_vectors(table)
         vectors = table_vectors(table)[fresh] if len(offsets) else table_vectors(table)
         vectors = metrics.prepare(vectors, meta.similarity)
         if len(vectors):
