@@ -102,7 +102,9 @@ def _key(record: Keyed) -> TopicPartitionKey:
 
 
 def _size(record: Keyed) -> int:
-    return len(record.source.value or b"")
+    """A record's value bytes, counted at its first row (a chunked record has several)."""
+    span = getattr(record, "span", None)
+    return 0 if span is not None and span.chunk > 0 else len(record.source.value or b"")
 
 
 class Batcher:
@@ -190,8 +192,11 @@ class Batcher:
             record, ids = pairs[index]
             n_tokens = len(ids) if ids is not None else 0
             source = record.source
-            size = len(source.value or b"")
-            if count:
+            span = getattr(record, "span", None)
+            # A record's chunks are one: they close a batch together, never apart.
+            within = span is not None and span.chunk > 0
+            size = 0 if within else len(source.value or b"")
+            if count and not within:
                 if good and tokens + n_tokens > max_tokens:
                     reason = CloseReason.TOKENS
                     break
@@ -215,6 +220,8 @@ class Batcher:
                 run = [source.topic, source.partition, offset, offset]
             else:
                 run[3] = offset
+            if span is not None and span.chunk < span.chunk_count - 1:
+                continue  # its next chunk follows
             if count >= max_records:
                 reason = CloseReason.RECORDS
             elif tokens >= max_tokens:

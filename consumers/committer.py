@@ -78,6 +78,8 @@ class PublishedBatch:
     epochs: dict[TopicPartitionKey, int]
     rows: int
     dead_lettered: int
+    # Of the rows, those that are a chunked record's second chunk or later.
+    later_chunks: int = 0
     dropped_partitions: set[TopicPartitionKey] = field(default_factory=set)
     opened_at: float = 0.0  # when the batch's first record was polled (monotonic)
 

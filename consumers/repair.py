@@ -28,7 +28,7 @@ import kafka.errors as kerrors
 from kafka import KafkaConsumer, TopicPartition
 
 from pipeline.core.config import KafkaSettings, WorkerConfig
-from pipeline.core.documents import Deletion, Keyed
+from pipeline.core.documents import Deletion, paired
 from pipeline.core.errors import OutputError, PipelineError
 from pipeline.core.host import call_on_fresh_thread
 from pipeline.core.layout import (
@@ -41,6 +41,7 @@ from pipeline.core.layout import (
 )
 from pipeline.core.records import GoodRecord, RecordParser, SourceRecord
 from pipeline.kafka import cluster, record_batches
+from pipeline.model.chunking import chunker_for, shaped_rows
 from pipeline.model.embedder import Embedder
 from sinks.parquet import ParquetSink
 from sinks.segments import (
@@ -152,14 +153,18 @@ def _repair(
             )
             return _close(config, note, "lost")
         sources = read_range(reader, config.kafka, tp, note.first, last)
-    parsed: list[Keyed] = [parser.parse(s) for s in sources]
-    if sink.documents is not None:
-        parsed = sink.documents.keyed(parsed)  # type: ignore[arg-type]
-    good = [p for p in parsed if isinstance(p, GoodRecord)]
-    deletions = [p for p in parsed if isinstance(p, Deletion)]
+    rows, ids, _ = shaped_rows(
+        embedder, chunker_for(embedder, config.chunking), [parser.parse(s) for s in sources]
+    )
+    paired_rows = paired(rows, ids, sink.documents)
+    good = [p for p, _ in paired_rows if isinstance(p, GoodRecord)]
+    tokens = [len(i) for p, i in paired_rows if isinstance(p, GoodRecord) and i is not None]
+    deletions = [p for p, _ in paired_rows if isinstance(p, Deletion)]
     # A thread of its own, like the model load: the embed stage keeps the only OpenMP team.
     vectors = call_on_fresh_thread(lambda: embedder.embed([g.text for g in good]), "repair")
-    staged = sink.stage(key, last, good, vectors, consumed=len(sources), deletions=deletions)
+    staged = sink.stage(
+        key, last, good, vectors, consumed=len(sources), deletions=deletions, tokens=tokens
+    )
     published = sink.publish(staged)
     log.warning(
         "damaged segment %s: %s[%d] offsets %d..%d read again from Kafka and %s (%d rows)",

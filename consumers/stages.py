@@ -247,12 +247,14 @@ class WriteStage(Stage):
             )
         rows = sum(f.rows for f in staged if f.key.partition_key in publish)
         dead = sum(1 for b in batch.bad if _key(b) in publish)
+        chunks = [g for g in batch.good if g.span is not None and g.span.chunk > 0]
         return PublishedBatch(
             number=batch.number,
             next_offsets={key: batch.ranges[key][1] + 1 for key in publish},
             epochs={key: batch.epochs[key] for key in publish},
             rows=rows,
             dead_lettered=dead,
+            later_chunks=sum(1 for g in chunks if _key(g) in publish),
             dropped_partitions=dropped,
             opened_at=batch.opened_at,
         )
@@ -349,13 +351,19 @@ class WriteStage(Stage):
                     last,
                     records,
                     vectors[rows],
-                    consumed=len(rows) + len(deleted.get(key, ())) + bad.get(key, 0),
+                    consumed=_records(records) + len(deleted.get(key, ())) + bad.get(key, 0),
                     start=batch.start_notes.get(key),
                     dead_letters=plans[key].mark,
                     deletions=deleted.get(key, ()),
+                    tokens=[len(batch.token_ids[i]) for i in rows],
                 )
             )
         return staged
+
+
+def _records(rows: list[GoodRecord]) -> int:
+    """The records `rows` are of: a chunked record's chunks count once."""
+    return sum(1 for row in rows if row.span is None or row.span.chunk == 0)
 
 
 # A record's (topic, partition); an attrgetter, so that map() needs no Python call.

@@ -25,7 +25,10 @@ from pipeline.core.layout import segments_by_partition
 from pipeline.core.progress import Progress
 from pipeline.core.records import RecordParser
 from pipeline.kafka import cluster, internals, record_batches
+from pipeline.model.chunking import Chunker, chunker_for
 from pipeline.model.embedder import Embedder, tokenizer_choice
+from sinks.identity import check_output_mode, check_output_model, check_output_rows
+from sinks.parquet import ParquetSink
 from sinks.segments import pending_notes
 
 log = logging.getLogger(__name__)
@@ -128,6 +131,18 @@ def make_consumer(
     return consumer
 
 
+def output_sink(cfg: WorkerConfig, embedder: Embedder) -> tuple[ParquetSink, Chunker]:
+    """The segment writer, once the output is known to take this worker's rows: one
+    output holds one model's vectors, one write mode, one chunking; and the chunker,
+    which refuses windows past the model's length."""
+    check_output_model(cfg.output, embedder.info)
+    check_output_mode(cfg.output, upsert=cfg.documents is not None)
+    rows = check_output_rows(cfg.output, cfg.chunking)
+    chunker = chunker_for(embedder, cfg.chunking)
+    sink = ParquetSink(cfg.output, embedder.info, cfg.documents, rows, cfg.chunking)
+    return sink, chunker
+
+
 def tokenizer_pool(
     cfg: WorkerConfig, embedder: Embedder, parser: RecordParser
 ) -> TokenizerPool | None:
@@ -149,4 +164,5 @@ def tokenizer_pool(
         embedder.info.document_prompt or "",
         fast_path=tokenizer_choice() == "auto",
         split_special_tokens=embedder.split_special_tokens,
+        chunking=cfg.chunking,
     )

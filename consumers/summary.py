@@ -16,7 +16,8 @@ class RunSummary:
 
     def __init__(self) -> None:
         self.records = 0
-        self.rows = 0
+        self.rows = 0  # records embedded (or, in upsert mode, deleted)
+        self.chunks = 0  # rows of chunked records past their first
         self.dead_lettered = 0
         self.batches = 0
         self.started = time.monotonic()
@@ -37,9 +38,15 @@ class RunSummary:
     def __str__(self) -> str:
         busy = self.processing_seconds
         rate = self.records / busy if busy > 0 else 0.0
+        chunks = f" as {self.rows + self.chunks} chunks" if self.chunks else ""
+        if self.chunks and busy > 0:  # long records come few a second: chunks say more
+            rate_of_chunks = f", {(self.rows + self.chunks) / busy:,.0f} chunks/s"
+        else:
+            rate_of_chunks = ""
         return (
-            f"{self.records} records ({self.rows} embedded, {self.dead_lettered} dead-lettered) "
-            f"in {self.batches} batches, {busy:.1f}s, {rate:,.0f} records/s "
+            f"{self.records} records ({self.rows} embedded{chunks}, "
+            f"{self.dead_lettered} dead-lettered) "
+            f"in {self.batches} batches, {busy:.1f}s, {rate:,.1f} records/s{rate_of_chunks} "
             f"(first record to last commit; {self.seconds:.1f}s in all)"
             + (f"; cache: {self.cache}" if self.cache else "")
         )
@@ -47,12 +54,13 @@ class RunSummary:
 
 def account(summary: RunSummary, metrics: WorkerMetrics, published: PublishedBatch) -> None:
     """A published batch, in the run's summary and the metrics."""
-    records = published.rows + published.dead_lettered
-    summary.records += records
-    summary.rows += published.rows
+    embedded = published.rows - published.later_chunks
+    summary.records += embedded + published.dead_lettered
+    summary.rows += embedded
+    summary.chunks += published.later_chunks
     summary.dead_lettered += published.dead_lettered
     summary.batches += 1
-    metrics.records.labels("embedded").inc(published.rows)
+    metrics.records.labels("embedded").inc(embedded)
     metrics.records.labels("dead_lettered").inc(published.dead_lettered)
     metrics.dead_letter.inc(published.dead_lettered)
     metrics.batches.inc()

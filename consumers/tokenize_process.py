@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.chunks import Chunking
 from pipeline.core.errors import PipelineError
 from pipeline.core.records import (
     BadRecord,
@@ -78,8 +79,11 @@ class TokenizerProcess:
         prompt: str = "",
         fast_path: bool = True,
         split_special_tokens: bool = False,
+        chunking: Chunking | None = None,
     ) -> None:
-        """`fast_path` False: the Rust tokenizer for every text (PIPELINE_TOKENIZER=rust).
+        """`chunking`: long texts cut into chunks (pipeline.model.chunking); the answers
+        then hold a row a chunk. `fast_path` False: the Rust tokenizer for every text
+        (PIPELINE_TOKENIZER=rust).
         `split_special_tokens`: the tokenizer's `encode_special_tokens`, which its JSON
         does not carry (a special token's text in a record is then plain text)."""
         parent_end, child_end = socket.socketpair()
@@ -94,7 +98,14 @@ class TokenizerProcess:
         self._conn = Connection(parent_end.detach())
         self._waiting = False
         self._ready: bool | None = None  # known once the child's first answer is read
-        setup = (tokenizer_json, parser or RecordParser(), prompt, fast_path, split_special_tokens)
+        setup = (
+            tokenizer_json,
+            parser or RecordParser(),
+            prompt,
+            fast_path,
+            split_special_tokens,
+            chunking,
+        )
         self._conn.send_bytes(pickle.dumps(setup, protocol=pickle.HIGHEST_PROTOCOL))
 
     @classmethod
@@ -106,9 +117,12 @@ class TokenizerProcess:
         prompt: str = "",
         fast_path: bool = True,
         split_special_tokens: bool = False,
+        chunking: Chunking | None = None,
     ) -> TokenizerProcess:
         """A ready child (waited for)."""
-        process = cls(tokenizer_json, max_length, parser, prompt, fast_path, split_special_tokens)
+        process = cls(
+            tokenizer_json, max_length, parser, prompt, fast_path, split_special_tokens, chunking
+        )
         process.ready()
         return process
 
@@ -142,24 +156,26 @@ class TokenizerProcess:
         self, sources: list[Source]
     ) -> tuple[list[GoodRecord | BadRecord], list[Any], int]:
         """The submitted values' records (`sources`, in the order their values were
-        submitted) as `RecordParser.parse` makes them, the good ones' token ids (each
+        submitted) as `RecordParser.parse` makes them, shaped into rows (a chunked
+        record: a row a chunk; pipeline.model.chunking), the good rows' token ids (each
         a memoryview of one int32 array) and how many of those were truncated."""
         assert self._waiting, "nothing was submitted"
         kind, detail = self._answer(ANSWER_TIMEOUT_S)
         self._waiting = False
         if kind != "parsed":
             raise TokenizerChildError(f"the tokenizer process answered {kind!r} to a poll")
-        (flat, offsets, truncated, _), texts, record_ids, metadatas, bad = detail
+        (flat, offsets, truncated, _), texts, record_ids, metadatas, bad, shaped = detail
         ids = _views(flat, offsets)
         if not bad:
-            return good_records(sources, texts, record_ids, metadatas), ids, truncated
+            records = good_records(sources, texts, record_ids, metadatas)
+            return shaped.records(records), ids, truncated
         reasons = {index: reason for index, *reason in bad}
         good_sources = [s for i, s in enumerate(sources) if i not in reasons]
         good = iter(good_records(good_sources, texts, record_ids, metadatas))
-        records: list[GoodRecord | BadRecord] = [
+        parsed: list[GoodRecord | BadRecord] = [
             BadRecord(s, *reasons[i]) if i in reasons else next(good) for i, s in enumerate(sources)
         ]
-        return records, ids, truncated
+        return shaped.records(parsed), ids, truncated
 
     def close(self) -> None:
         """Ends the child (it exits when its end of the connection closes)."""
@@ -275,12 +291,22 @@ def main() -> None:
 def _serve(conn: Connection, max_length: int) -> None:
     from tokenizers import Tokenizer
 
+    from pipeline.model.chunking import Chunker
     from pipeline.model.tokenize import batches, fast_path
 
-    tokenizer_json, parser, prompt, use_fast_path, split = pickle.loads(conn.recv_bytes())
+    setup = pickle.loads(conn.recv_bytes())
+    tokenizer_json, parser, prompt, use_fast_path, split, chunking = setup
     rust_tokenizer = Tokenizer.from_str(tokenizer_json)
     rust_tokenizer.encode_special_tokens = split
     fast = fast_path.for_tokenizer(rust_tokenizer, max_length) if use_fast_path else None
+    chunker = Chunker(tokenizer_json, max_length, prompt, chunking, split)
+
+    def tokenize(texts: list[str]) -> Any:
+        prompted = [prompt + text for text in texts] if prompt else texts
+        if fast is not None:
+            return batches.encode_taken_flat(fast, prompted, rust_tokenizer)
+        return batches.encode_rust_flat(rust_tokenizer, prompted)
+
     if fast is not None:
         fast.unicode_rules()  # built now, not at the first non-ASCII poll
     kind = "the fast WordPiece path" if fast is not None else "the Rust tokenizer"
@@ -288,13 +314,26 @@ def _serve(conn: Connection, max_length: int) -> None:
     while True:
         values: list[bytes | None] = pickle.loads(conn.recv_bytes())
         texts, record_ids, metadatas, bad = _parsed(parser, values)
-        prompted = [prompt + text for text in texts] if prompt else texts
-        if fast is not None:
-            tokens = batches.encode_taken_flat(fast, prompted, rust_tokenizer)
-        else:
-            tokens = batches.encode_rust_flat(rust_tokenizer, prompted)
-        answer = ("parsed", (tokens, texts, record_ids, metadatas, bad))
+        flat, offsets, truncated, others = tokenize(texts)
+        shaped = chunker.shape(
+            texts, np.diff(offsets).tolist(), truncated, lambda t: _views(*tokenize(t)[:2])
+        )
+        if not shaped.ids_unchanged:
+            flat, offsets = _joined(shaped.row_ids(_views(flat, offsets)))
+        shaped.chunk_ids = ()  # in `flat` now
+        tokens = (flat, offsets, shaped.truncated, others)
+        answer = ("parsed", (tokens, texts, record_ids, metadatas, bad, shaped))
         conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _joined(rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows' ids end to end (int32), and where each starts (and the last ends)."""
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    parts = [np.frombuffer(row, np.int32) for row in rows]
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return flat, offsets
 
 
 def _parsed(

@@ -50,8 +50,8 @@ from pipeline.core.records import BadRecord, GoodRecord, RecordParser, Source
 from pipeline.kafka import cluster, internals, record_batches
 from pipeline.kafka.dead_letter import DeadLetterSink
 from pipeline.model.cache import EmbeddingCache, open_cache
+from pipeline.model.chunking import Chunker, shaped_rows
 from pipeline.model.embedder import Embedder, TokenIds
-from sinks.identity import check_output_mode, check_output_model
 from sinks.index import shards as index_shards
 from sinks.index.store import IndexStore
 from sinks.parquet import ParquetSink
@@ -88,6 +88,7 @@ class Worker:
         # Set by _attach_model, once the model has loaded (it loads during the checks).
         self.embedder: Embedder
         self.parquet: ParquetSink
+        self.chunker: Chunker
         self.shutdown = shutdown
         self.metrics = metrics or WorkerMetrics()
         self.summary = RunSummary()
@@ -206,10 +207,7 @@ class Worker:
         """Waits for the model (loading since start-up) and opens the sinks it shapes."""
         model = self._model
         self.embedder = model.result() if isinstance(model, Future) else model
-        # Before anything is consumed: one output holds one model's vectors.
-        check_output_model(self.config.output, self.embedder.info)
-        check_output_mode(self.config.output, upsert=self.documents is not None)
-        self.parquet = ParquetSink(self.config.output, self.embedder.info, self.config.documents)
+        self.parquet, self.chunker = startup.output_sink(self.config, self.embedder)
         self.cache = open_cache(self.config, self.embedder.info, self.metrics)
         index_shards.preload(self.embedder.info.dim)
         self.parquet.preload()
@@ -338,8 +336,7 @@ class Worker:
             self._pending = sources  # joins the batcher after the next poll
             return
         parsed = [self.parser.parse(s) for s in sources]
-        tokens = self.embedder.tokenize([p.text for p in parsed if isinstance(p, GoodRecord)])
-        self._add(parsed, tokens.ids, tokens.truncated)
+        self._add(*shaped_rows(self.embedder, self.chunker, parsed))
 
     def _finish_pending(self) -> None:
         """Adds the records the tokenizer process was parsing and tokenizing."""

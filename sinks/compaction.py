@@ -8,6 +8,11 @@ segment named by its range, `<topic>-p<partition>-<first>-<last>.parquet`. The
 merged file keeps what the sources said: their rows in offset order, the range
 they covered, the records they consumed, how the first one started.
 
+A chunked output's record is a row per chunk, all in one segment: a run takes
+whole segments, so a record's rows stay in one file, and they are written in
+(offset, chunk) order (a source found in another order is sorted, stably). Only
+segments of one model, one chunking and one set of columns are merged.
+
 The order of things, and why a crash anywhere leaves a readable dataset with
 every row once:
 
@@ -44,6 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.core.chunks import CHUNK
 from pipeline.core.errors import OutputError
 from pipeline.core.layout import (
     Output,
@@ -261,16 +267,18 @@ def plan_runs(key: TopicPartitionKey, segments: list[SegmentFile], target_bytes:
 
 
 def _describe(segment: SegmentFile) -> tuple[SegmentInfo | None, int, dict[bytes, bytes]]:
-    """A segment's footer facts, its size and its model metadata; None if unusable."""
+    """A segment's footer facts, its size and what segments merged with it must share:
+    its model and chunking metadata and its columns; None if unusable."""
     try:
         footer = pq.read_metadata(segment.path)
         info = info_from_metadata(segment, footer.metadata, footer.num_rows)
         size = segment.path.stat().st_size
+        columns = ",".join(footer.schema.to_arrow_schema().names).encode()
     except (DamagedSegment, OSError, pa.ArrowException):
         return None, 0, {}  # a worker quarantines it; never merged
     raw = footer.metadata or {}
-    embedding = {k: v for k, v in raw.items() if k.startswith(b"embedding.")}
-    return info, size, embedding
+    kind = {k: v for k, v in raw.items() if k.startswith((b"embedding.", b"chunking."))}
+    return info, size, {**kind, b"columns": columns}
 
 
 def _erasing_runs(
@@ -352,10 +360,10 @@ def _write_merged(run: Run, path: Path, erase: Erasure | None = None) -> tuple[i
 
 
 def _batches(run: Run, erase: Erasure | None, erased: list[np.ndarray]) -> Iterator[pa.RecordBatch]:
-    """The run's rows in batches, less those `erase` names (their offsets: to `erased`)."""
+    """The run's rows in batches, less those `erase` names (their offsets: to `erased`;
+    a record's chunk rows share its offset, so all of them go)."""
     for info in run.sources:
-        source = pq.ParquetFile(info.file.path)
-        for batch in source.iter_batches(batch_size=_READ_BATCH_ROWS):
+        for batch in _source_batches(info.file.path):
             if erase is not None and batch.num_rows:
                 offsets = batch.column("offset").to_numpy().astype(np.int64)
                 mask = erase.mask(run.key, offsets)
@@ -366,11 +374,32 @@ def _batches(run: Run, erase: Erasure | None, erased: list[np.ndarray]) -> Itera
                 yield batch
 
 
+def _source_batches(path: Path) -> Iterator[pa.RecordBatch]:
+    """A source segment's rows in batches; a chunked one's in (offset, chunk) order (a
+    worker writes them so; one found otherwise is read whole and sorted, stably)."""
+    source = pq.ParquetFile(path)
+    if CHUNK in source.schema_arrow.names and not _in_record_order(source):
+        table = source.read().sort_by([("offset", "ascending"), (CHUNK, "ascending")])
+        yield from table.to_batches(max_chunksize=_READ_BATCH_ROWS)
+        return
+    yield from source.iter_batches(batch_size=_READ_BATCH_ROWS)
+
+
+def _in_record_order(source: pq.ParquetFile) -> bool:
+    """Whether a chunked segment's rows run in (offset, chunk) order."""
+    keys = source.read(columns=["offset", CHUNK])
+    offsets = keys.column("offset").to_numpy().astype(np.int64)
+    chunks = keys.column(CHUNK).fill_null(-1).to_numpy().astype(np.int64)
+    later, same = offsets[1:] > offsets[:-1], offsets[1:] == offsets[:-1]
+    return bool(np.all(later | (same & (chunks[1:] >= chunks[:-1]))))
+
+
 def _ranges_of(parts: list[np.ndarray]) -> list[tuple[int, int]]:
-    """Sorted offsets as runs of consecutive ones: [(first, last), ...]."""
+    """Offsets (repeats allowed: a record's chunk rows) as runs of consecutive ones:
+    [(first, last), ...]."""
     if not parts:
         return []
-    offsets = np.sort(np.concatenate(parts))
+    offsets = np.unique(np.concatenate(parts))
     breaks = np.flatnonzero(np.diff(offsets) != 1)
     starts = np.concatenate([[0], breaks + 1])
     ends = np.concatenate([breaks, [len(offsets) - 1]])

@@ -47,6 +47,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.core.chunks import CHUNK, CHUNKED, FLAGGED, PLAIN, TRUNCATED, Chunking
 from pipeline.core.errors import OutputError
 from pipeline.core.model_info import NORMALIZED, NORMALIZED_THEN_CUT, ModelInfo
 
@@ -129,6 +130,44 @@ def check_output_mode(output: Any, upsert: bool) -> None:
             f"--write-mode {asked}: one output holds one mode; give a new --output and a new "
             f"--group, or run with --write-mode {held}"
         )
+
+
+def check_output_rows(output: Any, chunking: Chunking | None) -> str:
+    """The row columns to write into `output` (pipeline.core.chunks): those its segments
+    hold (PLAIN in outputs made before rows said what was cut); a new output's: FLAGGED,
+    or CHUNKED with `chunking`. Refuses (OutputError) chunks into an output of whole
+    records, whole records into a chunked one, and chunks cut otherwise than its own."""
+    from pipeline.core.layout import describe, iter_segments
+    from sinks.segments import DamagedSegment, read_schema
+
+    for segment in reversed(list(iter_segments(output))[-_FOOTERS_TRIED:]):
+        try:
+            held = read_schema(segment)
+        except (FileNotFoundError, DamagedSegment, OSError, ValueError, pa.ArrowException):
+            continue
+        recorded = {
+            k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
+            for k, v in (held.metadata or {}).items()
+            if k.startswith(b"chunking.")
+        }
+        where = describe(output)
+        if CHUNK in held.names:
+            asked = chunking.as_metadata() if chunking is not None else None
+            if asked == recorded:
+                return CHUNKED
+            made = f"--chunk-tokens {recorded.get('chunking.tokens')} --chunk-overlap " + str(
+                recorded.get("chunking.overlap")
+            )
+            raise OutputError(
+                f"{where} holds records cut into chunks with {made}: run with those, or give "
+                "a new --output and a new --group"
+            )
+        if chunking is not None:
+            raise OutputError(
+                f"{where} holds whole records: chunks go to a new --output (and a new --group)"
+            )
+        return FLAGGED if TRUNCATED in held.names else PLAIN
+    return CHUNKED if chunking is not None else FLAGGED
 
 
 def differences(recorded: Mapping[str, str], model: ModelInfo) -> list[str]:

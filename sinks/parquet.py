@@ -33,6 +33,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.core.chunks import (
+    CHUNK,
+    CHUNK_COUNT,
+    CHUNKED,
+    FLAGGED,
+    PLAIN,
+    SPAN_COLUMNS,
+    TOKENS,
+    TRUNCATED,
+    Chunking,
+    Span,
+)
 from pipeline.core.documents import DELETED, DOC_KEY, Deletion, DocumentKeys
 from pipeline.core.errors import OutputError
 from pipeline.core.host import fsync_dir
@@ -65,12 +77,19 @@ if TYPE_CHECKING:
 _stage_numbers = itertools.count()
 
 
-def schema(dim: int, upsert: bool = False) -> pa.Schema:
+def schema(dim: int, upsert: bool = False, rows: str = FLAGGED) -> pa.Schema:
     """A segment's columns; upsert mode adds the document key and the deletion flag
-    (pipeline.core.documents)."""
+    (pipeline.core.documents); then what rows say of their text (pipeline.core.chunks):
+    nothing in outputs made before (PLAIN), whether it was truncated and the tokens
+    embedded (FLAGGED), and the chunk's place in its record's text first (CHUNKED)."""
     documents = [
         pa.field(DOC_KEY, pa.string(), nullable=False),
         pa.field(DELETED, pa.bool_(), nullable=False),
+    ]
+    spans = [pa.field(name, pa.int32(), nullable=False) for name in SPAN_COLUMNS]
+    flags = [
+        pa.field(TRUNCATED, pa.bool_(), nullable=False),
+        pa.field(TOKENS, pa.int32(), nullable=False),
     ]
     return pa.schema(
         [
@@ -84,6 +103,8 @@ def schema(dim: int, upsert: bool = False) -> pa.Schema:
             pa.field("metadata", pa.string()),
             pa.field("embedding", pa.list_(pa.field("item", pa.float32()), dim), nullable=False),
             *(documents if upsert else []),
+            *(spans if rows == CHUNKED else []),
+            *(flags if rows != PLAIN else []),
         ]
     )
 
@@ -100,9 +121,16 @@ class StagedFile:
 
 class ParquetSink:
     def __init__(
-        self, output: Output, model: ModelInfo, documents: DocumentKeys | None = None
+        self,
+        output: Output,
+        model: ModelInfo,
+        documents: DocumentKeys | None = None,
+        rows: str = FLAGGED,
+        chunking: Chunking | None = None,
     ) -> None:
-        """`documents`: how records name their documents, in upsert mode (None: append)."""
+        """`documents`: how records name their documents, in upsert mode (None: append).
+        `rows`: the row columns this output holds (sinks.identity.check_output_rows);
+        `chunking`: how records are cut into chunks, recorded in the footers."""
         self.output = output
         self.store: ObjectStore | None = None if isinstance(output, Path) else output
         self.directory = vectors_dir(output) if isinstance(output, Path) else Path(VECTORS_DIR)
@@ -110,7 +138,10 @@ class ParquetSink:
         # that a compaction's directory exchange never leaves one behind.
         self.lock = VectorsLock(output) if isinstance(output, Path) else None
         self._model_metadata = {f"embedding.{k}": v for k, v in model.as_metadata().items()}
-        self._schema = schema(model.dim, upsert=documents is not None)
+        if chunking is not None:
+            self._model_metadata.update(chunking.as_metadata())
+        self._schema = schema(model.dim, upsert=documents is not None, rows=rows)
+        self.rows = rows
         self._dim = model.dim
         self.documents = documents
 
@@ -167,13 +198,19 @@ class ParquetSink:
         start: str | None = None,
         dead_letters: DeadLetterMark | None = None,
         deletions: Sequence[Deletion] = (),
+        tokens: Sequence[int] | None = None,
     ) -> StagedFile:
         """Writes offsets key.first..last (`consumed` records, the good ones and, in upsert
-        mode, the deletions given) aside."""
+        mode, the deletions given) aside. `records` are rows (a chunked record's chunks,
+        together), `tokens` the tokens each row's vector was embedded from."""
         metadata = segment_metadata(key.first, last, consumed, WRITER, start, dead_letters)
         table = self._table(records, vectors, {**self._model_metadata, **metadata})
         if self.documents is not None:
-            table = self._with_documents(table, records, deletions)
+            table = self._with_documents(table, records)
+        table = self._with_rows(table, records, tokens)
+        if deletions:
+            table = self._with_deletions(table, deletions)
+        table = table.cast(self._schema.with_metadata(table.schema.metadata))
         if self.store is not None:
             buffer = pa.BufferOutputStream()
             _write(table, buffer)
@@ -247,7 +284,8 @@ class ParquetSink:
         flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).ravel(), pa.float32())
         # Columns by C-level maps over the records (tuples): less of the write
         # stage's GIL a row than a list comprehension a column.
-        sources, texts, record_ids, metadatas = zip(*records, strict=True) if records else [()] * 4
+        unzipped = zip(*records, strict=True) if records else [()] * 5
+        sources, texts, record_ids, metadatas, _ = unzipped
 
         def field(name: str) -> list[Any]:
             return list(map(attrgetter(name), sources))
@@ -263,39 +301,57 @@ class ParquetSink:
             pa.array(metadatas, pa.string()),
             pa.FixedSizeListArray.from_arrays(flat, self._dim),
         ]
-        plain = self._schema if self.documents is None else schema(self._dim)
+        plain = schema(self._dim, rows=PLAIN)
         return pa.Table.from_arrays(columns, schema=plain.with_metadata(metadata))
 
-    def _with_documents(
-        self, table: pa.Table, records: Sequence[GoodRecord], deletions: Sequence[Deletion]
-    ) -> pa.Table:
-        """The rows with their document keys, and a row per deletion (no text, a zero
-        vector), in offset order."""
+    def _with_documents(self, table: pa.Table, records: Sequence[GoodRecord]) -> pa.Table:
+        """The rows with their document keys (pipeline.core.documents)."""
         assert self.documents is not None
         keys = [self.documents.key_of(r) for r in records]
         table = table.append_column(DOC_KEY, pa.array(keys, pa.string()))
-        table = table.append_column(DELETED, pa.array([False] * len(records), pa.bool_()))
-        if deletions:
-            zeros = pa.array(np.zeros(len(deletions) * self._dim, np.float32), pa.float32())
-            sources = [d.source for d in deletions]
-            gone = pa.Table.from_arrays(
-                [
-                    pa.array([s.topic for s in sources], pa.string()),
-                    pa.array([s.partition for s in sources], pa.int32()),
-                    pa.array([s.offset for s in sources], pa.int64()),
-                    pa.array([s.key for s in sources], pa.binary()),
-                    pa.nulls(len(sources), pa.string()),
-                    pa.array([""] * len(sources), pa.string()),
-                    pa.array([s.timestamp for s in sources], pa.int64()),
-                    pa.nulls(len(sources), pa.string()),
-                    pa.FixedSizeListArray.from_arrays(zeros, self._dim),
-                    pa.array([d.key for d in deletions], pa.string()),
-                    pa.array([True] * len(deletions), pa.bool_()),
-                ],
-                schema=table.schema,
-            )
-            table = pa.concat_tables([table, gone]).sort_by("offset")
-        return table.cast(self._schema.with_metadata(table.schema.metadata))
+        return table.append_column(DELETED, pa.array([False] * len(records), pa.bool_()))
+
+    def _with_rows(
+        self, table: pa.Table, records: Sequence[GoodRecord], tokens: Sequence[int] | None
+    ) -> pa.Table:
+        """The rows with what they say of their text (pipeline.core.chunks): a row without
+        a span is its record's whole text, not truncated."""
+        if self.rows == PLAIN:
+            return table
+        spans = [r.span or Span(0, 1, 0, len(r.text)) for r in records]
+        if self.rows == CHUNKED:
+            for n, name in enumerate(SPAN_COLUMNS):
+                table = table.append_column(name, pa.array([s[n] for s in spans], pa.int32()))
+        truncated = [s.truncated for s in spans]
+        table = table.append_column(TRUNCATED, pa.array(truncated, pa.bool_()))
+        counts = list(tokens) if tokens is not None else [0] * len(records)
+        return table.append_column(TOKENS, pa.array(counts, pa.int32()))
+
+    def _with_deletions(self, table: pa.Table, deletions: Sequence[Deletion]) -> pa.Table:
+        """The rows and a row per deletion (no text, a zero vector, the whole of nothing),
+        in offset order (a record's chunks in theirs)."""
+        zeros = pa.array(np.zeros(len(deletions) * self._dim, np.float32), pa.float32())
+        sources = [d.source for d in deletions]
+        columns = {
+            "topic": pa.array([s.topic for s in sources], pa.string()),
+            "partition": pa.array([s.partition for s in sources], pa.int32()),
+            "offset": pa.array([s.offset for s in sources], pa.int64()),
+            "key": pa.array([s.key for s in sources], pa.binary()),
+            "id": pa.nulls(len(sources), pa.string()),
+            "text": pa.array([""] * len(sources), pa.string()),
+            "timestamp": pa.array([s.timestamp for s in sources], pa.int64()),
+            "metadata": pa.nulls(len(sources), pa.string()),
+            "embedding": pa.FixedSizeListArray.from_arrays(zeros, self._dim),
+            DOC_KEY: pa.array([d.key for d in deletions], pa.string()),
+            DELETED: pa.array([True] * len(deletions), pa.bool_()),
+            CHUNK_COUNT: pa.array([1] * len(deletions), pa.int32()),
+            TRUNCATED: pa.array([False] * len(deletions), pa.bool_()),
+        }
+        zero = pa.array([0] * len(deletions), pa.int32())
+        arrays = [columns.get(name, zero) for name in table.schema.names]
+        gone = pa.Table.from_arrays(arrays, schema=table.schema)
+        order = [("offset", "ascending")] + ([(CHUNK, "ascending")] if self.rows == CHUNKED else [])
+        return pa.concat_tables([table, gone]).sort_by(order)
 
 
 def encode(table: pa.Table) -> bytes:

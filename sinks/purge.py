@@ -6,7 +6,9 @@ The view says what is erased: a segment row at or below the view's position in i
 partition that is not a live row of the view is a superseded version, a deleted
 document or a tombstone. Rows past the positions are not judged yet (the next
 purge takes them). A row once erasable stays so: a later change only supersedes
-more, so workers may go on writing and applying meanwhile.
+more, so workers may go on writing and applying meanwhile. In a chunked output a
+version is every row of its offset (one per chunk), judged by that offset: all of
+them stay, or all go, and the footer names the offset purged once.
 
 1. the view catches up with the segments, and its positions and live rows are read
    at one version;

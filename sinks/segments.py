@@ -42,6 +42,9 @@ DEAD_LETTERS_KEY = f"{META_PREFIX}dead_letters_from"
 # Upsert mode: offset ranges whose rows `pipeline compact --purge` erased (superseded
 # and deleted documents), as JSON [[first, last], ...]: accounted for, not missing.
 PURGED_KEY = f"{META_PREFIX}purged"
+# Chunked outputs (pipeline.core.chunks.Chunking.as_metadata): a record is a row per
+# chunk, so a footer's row count is not a count of records.
+CHUNKING_KEY = "chunking.tokens"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class SegmentInfo:
     start: str | None = None
     dead_letters: DeadLetterMark | None = None
     purged: tuple[tuple[int, int], ...] = ()  # ranges of erased rows (PURGED_KEY)
+    chunked: bool = False  # rows are chunks of records (CHUNKING_KEY): rows != records
 
     @property
     def purged_count(self) -> int:
@@ -87,7 +91,11 @@ class SegmentInfo:
 
     @property
     def dead_lettered(self) -> int | None:
-        return None if self.records is None else self.records - self.rows - self.purged_count
+        """Records of the range in no row (None: unknown from the footer: a legacy file,
+        or a chunked one, whose rows are chunks)."""
+        if self.records is None or self.chunked:
+            return None
+        return self.records - self.rows - self.purged_count
 
 
 class DamagedSegment(OutputError):
@@ -188,7 +196,8 @@ def info_from_metadata(
     start = raw.get(f"{META_PREFIX}start")
     mark = DeadLetterMark.from_text(raw.get(DEAD_LETTERS_KEY))
     purged = _ranges(segment, raw.get(PURGED_KEY))
-    return SegmentInfo(segment, first, last, rows, records, start, mark, purged)
+    chunked = CHUNKING_KEY in raw
+    return SegmentInfo(segment, first, last, rows, records, start, mark, purged, chunked)
 
 
 def _ranges(segment: SegmentFile, text: str | None) -> tuple[tuple[int, int], ...]:

@@ -22,6 +22,13 @@ docs/documents.md).
 Lance was chosen over Delta Lake by that measurement; readers: pylance, Polars and
 DuckDB through `lance.dataset(...)` (an Arrow dataset), Spark through lance-spark.
 
+In a chunked output (`pipeline run --chunk-tokens N`) a version of a document is
+a row per chunk: the view holds every chunk row of each live version, and merges on
+(document, offset, chunk). An apply reads whole records (never a part of one), an
+update deletes every live row of the version it replaces and inserts every row of
+the new one, whatever their number of chunks, and a delete removes them all: still
+one commit. The index stops serving every chunk of a superseded version.
+
 Appliers take turns (sinks.view_lock): a lock file beside the table on a local
 output, a lease on an object store; so do the purge's rewrites (`maintain`).
 """
@@ -42,13 +49,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.core.chunks import CHAR_END, CHAR_START, CHUNK, CHUNK_COUNT, TOKENS, TRUNCATED
 from pipeline.core.documents import DELETED, DOC_KEY
 from pipeline.core.errors import OutputError
 from pipeline.core.layout import Output, TopicPartitionKey, segments_by_partition
 from sinks.index.store import IndexStore
 from sinks.segments import DamagedSegment, read_rows, segments_past
 from sinks.view_lock import LEASE_S, LocalLock, StoreLease
-from sinks.view_plan import ORDER, plan
+from sinks.view_plan import CHUNKS, ORDER, plan
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,9 @@ COLUMNS = [
     DOC_KEY, "id", "key", "text", "embedding", "topic", "partition", "offset",
     "timestamp", "metadata",
 ]  # fmt: skip
+# Columns the view keeps after those when the segments have them: a chunked output's
+# chunk span, and what the model's length cut (pipeline.core.chunks).
+OPTIONAL_COLUMNS = [CHUNK, CHUNK_COUNT, CHAR_START, CHAR_END, TRUNCATED, TOKENS]
 _LOOKUP_KEYS = 4096  # keys per lookup of live versions (one IN list each)
 # Rows read into one apply, at most: bounds its memory.
 MAX_APPLY_ROWS = 200_000
@@ -101,8 +112,8 @@ class ViewState:
 @dataclass
 class ViewStats:
     applied_rows: int = 0  # segment rows read past the positions
-    upserted: int = 0
-    deleted: int = 0
+    upserted: int = 0  # documents given a new version
+    deleted: int = 0  # documents deleted
     commits: int = 0
     seconds: float = 0.0
 
@@ -195,7 +206,8 @@ class ViewStore:
         return dataset.to_table(columns=list(columns), filter=predicate)
 
     def snapshot(self) -> tuple[dict[TopicPartitionKey, int], dict[TopicPartitionKey, np.ndarray]]:
-        """At one version: the positions, and the live offsets (sorted) per partition."""
+        """At one version: the positions, and the live offsets (sorted, distinct: a
+        chunked version's rows share one) per partition."""
         dataset = self.dataset()
         if dataset is None:
             return {}, {}
@@ -207,7 +219,7 @@ class ViewStore:
             for topic, partition in set(zip(frame["topic"], frame["partition"], strict=True)):
                 mask = (frame["topic"] == topic) & (frame["partition"] == partition)
                 live.setdefault((str(topic), int(partition)), []).append(frame["offset"][mask])
-        return positions, {k: np.sort(np.concatenate(v)) for k, v in live.items()}
+        return positions, {k: np.unique(np.concatenate(v)) for k, v in live.items()}
 
     def maintain(self, retention_s: float = RETENTION_S, erase: bool = False) -> bool:
         """Merges small fragments, rewrites those holding deleted rows, brings the key
@@ -278,7 +290,8 @@ class ViewStore:
         keys = rows.column(DOC_KEY).unique().to_pylist() if rows.num_rows else []
         change = plan(rows, self._live_versions(dataset, keys))
         if self.index is not None:  # before the commit: a removal is never wrong early
-            self.index.remove(change.removed)
+            # Chunked: every chunk 0..chunk_count-1 of each version (sinks.index.removed).
+            self.index.remove(change.removed, change.removed_counts)
         state.positions.update(moved)
         state.cross_partition += len(change.cross_partition)
         if change.cross_partition:
@@ -288,16 +301,18 @@ class ViewStore:
                 "later record timestamp wins (docs/documents.md: ordering)",
                 len(change.cross_partition), change.cross_partition[0],
             )  # fmt: skip
-        upserts = change.upserts.select(COLUMNS)
         if dataset is None:
+            upserts = change.upserts.select(_view_columns(rows.column_names))
             self._create(upserts, state.properties())
-            return ViewStats(rows.num_rows, upserts.num_rows, 0, 1)
-        # One merge on (document, offset): the live rows replaced or deleted match
-        # exactly and go; the new versions match nothing and come in. Both are found
-        # by the key index, where a "delete what the source lacks" clause scans the
-        # whole table (2.4 s against 0.2 s for 5,000 changes at 1M documents).
+            return ViewStats(rows.num_rows, change.documents, 0, 1)
+        upserts = change.upserts.select(dataset.schema.names)
+        # One merge on (document, offset), and chunk in a chunked view: the live rows
+        # replaced or deleted match exactly and go; the new versions match nothing and
+        # come in. Both are found by the key index, where a "delete what the source
+        # lacks" clause scans the whole table (2.4 s against 0.2 s for 5,000 changes at
+        # 1M documents).
         replaced = _rows_like(dataset.schema, change.replaced)
-        builder = dataset.merge_insert([DOC_KEY, "offset"]).when_matched_delete()
+        builder = dataset.merge_insert(_merge_keys(dataset.schema)).when_matched_delete()
         transaction, merged = builder.when_not_matched_insert_all().execute_uncommitted(
             pa.concat_tables([replaced, upserts.cast(dataset.schema)])
         )
@@ -311,7 +326,7 @@ class ViewStore:
         transaction = dataclasses.replace(transaction, transaction_properties=state.properties())
         _commit(dataset, transaction, self.lock)
         self._index_new_rows()
-        return ViewStats(rows.num_rows, upserts.num_rows, len(change.gone), 1)
+        return ViewStats(rows.num_rows, change.documents, len(change.gone), 1)
 
     def _index_new_rows(self) -> None:
         """Adds the rows that applies inserted to the key index once they are many: a
@@ -335,14 +350,22 @@ class ViewStore:
         dataset.create_scalar_index(DOC_KEY, "BTREE", name=KEY_INDEX)
 
     def _live_versions(self, dataset: Any | None, keys: list[str]) -> dict[str, dict[str, Any]]:
-        """The live version of each of `keys` the view holds (its ORDER columns)."""
+        """The live version of each of `keys` the view holds (its ORDER columns; in a
+        chunked view also its CHUNK_COUNT, and its rows' chunk numbers as CHUNKS)."""
         if dataset is None or not keys:
             return {}
+        chunked = CHUNK in dataset.schema.names
+        columns = [DOC_KEY, *ORDER, *([CHUNK, CHUNK_COUNT] if chunked else [])]
         found: dict[str, dict[str, Any]] = {}
         for start in range(0, len(keys), _LOOKUP_KEYS):
-            chunk = ", ".join(map(_literal, keys[start : start + _LOOKUP_KEYS]))
-            table = dataset.to_table(columns=[DOC_KEY, *ORDER], filter=f"{DOC_KEY} IN ({chunk})")
-            found.update((row[DOC_KEY], row) for row in table.to_pylist())
+            some = ", ".join(map(_literal, keys[start : start + _LOOKUP_KEYS]))
+            table = dataset.to_table(columns=columns, filter=f"{DOC_KEY} IN ({some})")
+            for row in table.to_pylist():
+                if not chunked:
+                    found[row[DOC_KEY]] = row
+                    continue
+                chunk = row.pop(CHUNK)
+                found.setdefault(row[DOC_KEY], {**row, CHUNKS: []})[CHUNKS].append(chunk)
         return found
 
     def _pending(self, positions: dict[str, int]) -> tuple[pa.Table, dict[str, int]]:
@@ -360,16 +383,18 @@ class ViewStore:
                 if count >= self.max_apply_rows or size >= MAX_APPLY_BYTES:
                     break
                 try:
-                    table, info = read_rows(segment, [*COLUMNS, DELETED])
+                    table, info = read_rows(segment, [*COLUMNS, DELETED], OPTIONAL_COLUMNS)
                 except DamagedSegment as damaged:
                     self.damaged.append(damaged)
                     break  # this partition waits until a worker repairs it
                 except FileNotFoundError:
                     break  # merged or moved aside meanwhile: read again next time
                 fresh = table.filter(pc.greater(table.column("offset"), through))
-                fresh = fresh.select([*COLUMNS, DELETED])
+                fresh = fresh.select([*COLUMNS, DELETED, *_optional(fresh.column_names)])
                 room = _rows_within(fresh, MAX_APPLY_BYTES - size)
-                part = room < fresh.num_rows  # a large (compacted) segment: a part at a time
+                # A large (compacted) segment: a part at a time, of whole records.
+                room = _record_end(fresh.column("offset").to_numpy(), room)
+                part = room < fresh.num_rows
                 if part:
                     fresh = fresh.slice(0, room)
                     through = fresh.column("offset")[-1].as_py()
@@ -386,21 +411,59 @@ class ViewStore:
         return pa.concat_tables(tables, promote_options="permissive"), moved
 
 
+def _view_columns(names: Sequence[str]) -> list[str]:
+    """The columns of a view created from rows with these columns."""
+    return [*COLUMNS, *_optional(names)]
+
+
+def _optional(names: Sequence[str]) -> list[str]:
+    return [c for c in OPTIONAL_COLUMNS if c in names]
+
+
+def _merge_keys(schema: pa.Schema) -> list[str]:
+    """What identifies a row of the view: its document and version, and its chunk in a
+    chunked view (a version's rows differ by chunk only)."""
+    return [DOC_KEY, "offset", *([CHUNK] if CHUNK in schema.names else [])]
+
+
+def _record_end(offsets: np.ndarray, room: int) -> int:
+    """How many of the first rows (sorted by offset) to take: at most `room` where that
+    ends a record (a record's rows, its chunks, share an offset), else up to the start
+    of the record it would cut, and the first record whole at least."""
+    if room >= len(offsets):
+        return len(offsets)
+    cut = int(np.searchsorted(offsets, offsets[max(room, 1)], "left"))
+    return cut if cut > 0 else int(np.searchsorted(offsets, offsets[0], "right"))
+
+
 def _rows_like(schema: pa.Schema, rows: list[Any]) -> pa.Table:
-    """Rows of `schema` naming the given live versions (their DOC_KEY and ORDER
-    columns): the merge matches them to the rows to delete; the rest is filler."""
+    """Rows of `schema` naming the given live rows (their DOC_KEY, ORDER and, in a
+    chunked view, CHUNK columns): the merge matches them to the rows to delete; the
+    rest is filler."""
     columns = {}
     for field in schema:
-        if field.name in (DOC_KEY, *ORDER):
+        if field.name in (DOC_KEY, *ORDER, CHUNK):
             columns[field.name] = pa.array([r[field.name] for r in rows], field.type)
         elif field.name == "embedding":
             zeros = pa.array(np.zeros(len(rows) * field.type.list_size, np.float32))
             columns[field.name] = pa.FixedSizeListArray.from_arrays(zeros, field.type.list_size)
         elif field.name == "text":
             columns[field.name] = pa.array([""] * len(rows), field.type)
+        elif not field.nullable:  # a chunk's span, its token count: zeros
+            columns[field.name] = _zeros(field.type, len(rows))
         else:
             columns[field.name] = pa.nulls(len(rows), field.type)
     return pa.table(columns, schema=schema)
+
+
+def _zeros(kind: pa.DataType, count: int) -> pa.Array:
+    if pa.types.is_boolean(kind):
+        return pa.array([False] * count, kind)
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        return pa.array(np.zeros(count, np.int64)).cast(kind)
+    if pa.types.is_string(kind):
+        return pa.array([""] * count, kind)
+    return pa.nulls(count, kind)
 
 
 def _rows_within(table: pa.Table, budget: int) -> int:

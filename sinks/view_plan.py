@@ -6,6 +6,11 @@ The latest version of a document: the highest offset within a partition; across
 partitions (producers that do not key by document), the later record timestamp,
 then the larger topic, then the larger partition (`newer`). Every version that is
 not the latest stops being served by the index (`Plan.removed`).
+
+A version is a record: in a chunked output (`pipeline run --chunk-tokens N`) the
+rows of one (topic, partition, offset), one per chunk. A winning version brings
+all its rows; a replaced one takes all its live rows with it, whatever the number
+of chunks of either.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.core.chunks import CHUNK, CHUNK_COUNT
 from pipeline.core.documents import DELETED, DOC_KEY
 
 ORDER = ["topic", "partition", "offset", "timestamp"]
 Place = tuple[str, int, int]  # topic, partition, offset
+# A live version's rows in a chunked view (Live: its chunk numbers).
+CHUNKS = "chunks"
 
 
 def newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -39,17 +47,34 @@ def _place(row: Mapping[str, Any]) -> Place:
 
 @dataclass
 class Plan:
-    upserts: pa.Table  # the rows to insert or to replace live ones with
+    upserts: pa.Table  # the rows to insert (every chunk row of each winning version)
     gone: list[str] = field(default_factory=list)  # documents deleted
     removed: list[Place] = field(default_factory=list)  # versions the index stops serving
-    replaced: list[Mapping[str, Any]] = field(default_factory=list)  # live rows that go
+    # Chunked outputs: in step with `removed`, each version's chunk count (None: plain).
+    removed_counts: list[int] | None = None
+    # The live rows that go (one per chunk row of a replaced chunked version).
+    replaced: list[Mapping[str, Any]] = field(default_factory=list)
     cross_partition: list[str] = field(default_factory=list)  # keys seen in 2+ partitions
+    documents: int = 0  # documents given a new version
+
+    def remove(self, version: Mapping[str, Any], chunk_count: int | None) -> None:
+        self.removed.append(_place(version))
+        if self.removed_counts is not None:
+            self.removed_counts.append(max(1, int(chunk_count or 1)))
 
 
 def plan(rows: pa.Table, live: Mapping[str, Mapping[str, Any]]) -> Plan:
-    """The apply of segment `rows` (with DOC_KEY, DELETED and ORDER columns) onto the
-    documents whose live versions are `live` (by key: their ORDER columns)."""
-    versions = rows.select([DOC_KEY, DELETED, *ORDER]).to_pylist()
+    """The apply of segment `rows` (with DOC_KEY, DELETED and ORDER columns; CHUNK and
+    CHUNK_COUNT in a chunked output, every row of a record among them) onto the
+    documents whose live versions are `live` (by key: their ORDER columns; chunked,
+    their CHUNK_COUNT and CHUNKS, the chunk numbers of their live rows)."""
+    chunked = CHUNK in rows.column_names
+    names = [DOC_KEY, DELETED, *ORDER, *([CHUNK_COUNT] if chunked else [])]
+    table = rows.select(names).to_pylist()
+    records: dict[Place, list[int]] = {}  # a record's rows, by place
+    for index, row in enumerate(table):
+        records.setdefault(_place(row), []).append(index)
+    versions = [table[indices[0]] for indices in records.values()]
     latest: dict[str, int] = {}
     partitions: dict[str, set[tuple[str, int]]] = {}
     for index, row in enumerate(versions):
@@ -58,28 +83,36 @@ def plan(rows: pa.Table, live: Mapping[str, Mapping[str, Any]]) -> Plan:
         held = latest.get(key)
         if held is None or newer(row, versions[held]):
             latest[key] = index
-    result = Plan(rows.slice(0, 0))
+    result = Plan(rows.slice(0, 0), removed_counts=[] if chunked else None)
     winners: list[int] = []
     chosen = set(latest.values())
-    result.removed = [
-        _place(row) for i, row in enumerate(versions) if i not in chosen and not row[DELETED]
-    ]
+    for index, row in enumerate(versions):
+        if index not in chosen and not row[DELETED]:
+            result.remove(row, row.get(CHUNK_COUNT))
     for key, index in latest.items():
         change, current = versions[index], live.get(key)
         if current is not None:
             partitions[key].add((current["topic"], current["partition"]))
         if current is not None and not newer(change, current):
             if not change[DELETED]:  # an older version from another partition: never live
-                result.removed.append(_place(change))
+                result.remove(change, change.get(CHUNK_COUNT))
             continue
         if current is not None:
-            result.removed.append(_place(current))
-            result.replaced.append(current)
+            result.remove(current, current.get(CHUNK_COUNT))
+            result.replaced += _live_rows(current)
         if change[DELETED]:
             if current is not None:
                 result.gone.append(key)
         else:
-            winners.append(index)
+            winners += records[_place(change)]
+            result.documents += 1
     result.upserts = rows.take(pa.array(sorted(winners), pa.int64()))
     result.cross_partition = [k for k, seen in partitions.items() if len(seen) > 1]
     return result
+
+
+def _live_rows(current: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The view's rows of a live version: one, or one per chunk row it holds."""
+    if CHUNKS not in current:
+        return [current]
+    return [{**current, CHUNK: chunk} for chunk in current[CHUNKS]]

@@ -181,13 +181,16 @@ def duplicates(rows: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int
 
 
 def index_rows(output: Path) -> list[tuple[str, int, int]]:
-    from sinks.index.store import IndexStore, decode_id
+    """(topic, partition, offset) of every id in the index: one per vector, so one per
+    chunk row in an output of chunks (as output_rows gives one per Parquet row)."""
+    from sinks.index.store import IndexStore
 
     store = IndexStore(output)
     store.load()
     assert store.meta is not None
     topics = {no: name for name, no in store.meta.topics.items()}
-    return [(topics[t], p, o) for t, p, o in (decode_id(int(i)) for i in store.ids())]
+    decode = store.meta.layout.decode
+    return [(topics[t], p, o) for t, p, o, _ in (decode(int(i)) for i in store.ids())]
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 10) -> list[Any]:

@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from chaos import check, cli, common, plans, records, upsert  # noqa: E402
+from chaos import check, chunks, cli, common, long_texts, plans, records, upsert  # noqa: E402
 
 CHAOS_PORT = int(os.environ.get("PIPELINE_CHAOS_TEST_PORT", "19192"))
 # Seed i runs scenario i (the plans are short ones): four workers starting at once with a
@@ -34,6 +34,9 @@ CHAOS_SCENARIOS = "together,stall,broker-restart,dead-letters"
 # Upsert mode, one short seed (about a minute): updates, tombstones and re-adds under
 # two SIGKILLs, the current view checked against the topic, then compact --purge.
 UPSERT_SEED, UPSERT_SCENARIO = "3", "sigkill"
+# Chunk mode, one short seed (about a minute): some 2,000 records, a quarter of them
+# long (3-20 KB, English and Chinese) cut into up to ~64 chunks, under two SIGKILLs.
+CHUNK_SEED, CHUNK_SCENARIO = "3", "sigkill"
 
 
 def _good(text: str) -> bytes:
@@ -206,6 +209,104 @@ def test_parquet_rows_reads_upsert_columns_and_purged_offsets(tmp_path: Path) ->
     assert sorted(scan.purged) == [(1, 2), (1, 3), (1, 6)] and scan.bad_vectors == 0
 
 
+def _chunk_segment(path: Path, rows: list[tuple[int, int, int, int, int, int, str]]) -> None:
+    """A chunked segment of topic t: rows (partition, offset, chunk, chunk_count,
+    char_start, char_end, text), unit vectors."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    vectors = np.zeros((len(rows), 4), dtype=np.float32)
+    vectors[:, 0] = 1.0
+    columns = list(zip(*rows, strict=True))
+    table = pa.table(
+        {
+            "topic": ["t"] * len(rows),
+            "partition": list(columns[0]),
+            "offset": list(columns[1]),
+            "text": list(columns[6]),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), 4),
+            **{
+                name: pa.array(list(columns[n]), pa.int32())
+                for n, name in enumerate(("chunk", "chunk_count", "char_start", "char_end"), 2)
+            },
+            "truncated": [False] * len(rows),
+            "tokens": pa.array([5] * len(rows), pa.int32()),
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def test_chunk_check_finds_incomplete_split_and_wrong_chunks(tmp_path: Path) -> None:
+    """A chunked output read back: each record one scan row of its chunks; records with a
+    chunk missing, shared out between two segments, or a chunk's text or span wrong
+    fail, the per-offset check and the chunk check both; the index is keyed by chunk."""
+    text = "alpha beta gamma delta epsilon"
+    real = {(0, o): _good(text) for o in range(6)}
+    whole = [(0, 0, 0, 3, 0, 16, text[0:16]), (0, 0, 1, 3, 11, 22, text[11:22])]
+    whole += [(0, 0, 2, 3, 17, 30, text[17:30])]  # complete, overlapping: fine
+    gap = [(0, 1, 0, 2, 0, 10, text[0:10]), (0, 1, 1, 2, 17, 30, text[17:30])]  # "gamma" lost
+    missing = [(0, 2, 0, 2, 0, 16, text[0:16])]  # chunk 1 of 2 missing
+    split = [(0, 3, 0, 2, 0, 16, text[0:16])]  # chunk 1 in the other segment
+    wrong = [(0, 4, 0, 1, 0, 30, text.upper())]  # not the record's text
+    single = [(0, 5, 0, 1, 0, 30, text)]  # one chunk: fine
+    _chunk_segment(tmp_path / "vectors" / f"t-p00000-{0:020d}.parquet", whole + gap + missing)
+    _chunk_segment(tmp_path / "vectors" / f"t-p00000-{3:020d}.parquet", split + wrong + single)
+    _chunk_segment(
+        tmp_path / "vectors" / f"t-p00000-{9:020d}.parquet", [(0, 3, 1, 2, 11, 30, text[11:30])]
+    )
+    scan = check.parquet_rows(tmp_path, "t")
+    assert len(scan.rows) == 7 and scan.bad_vectors == 0  # a row per record and segment
+    verdict = check.check_records(real, scan.rows, Counter())
+    assert verdict.doubled == [(0, 3)]
+    assert verdict.mismatched == [(0, 1), (0, 2), (0, 4)] and verdict.lost == []
+    found = chunks.check_chunks(real, scan.rows, None, tokens=4, overlap=1)
+    assert (found.incomplete, found.split) == ([(0, 2), (0, 3), (0, 3)], [(0, 3)])
+    assert (found.text, found.spans, found.unchunked) == ([(0, 4)], [(0, 1)], [])
+    assert found.rows == 10 and found.records == 6 and found.multi == 2
+    assert found.max_chunk_count == 3 and len(found.problems()) > 4
+    # The index: one entry per chunk row, ids (partition, offset, chunk).
+    index = Counter([(0, o, 0) for o in range(6)] + [(0, 0, 1), (0, 0, 2), (0, 0, 2), (0, 9, 0)])
+    check.check_index(verdict, scan.rows, index)  # (0, 1, 1) and (0, 3, 1) not indexed
+    assert verdict.index == {"missing": 2, "doubled": 1, "extra": 1}
+
+
+def test_chunk_mode_texts_are_long_seeded_and_checked_by_tokens(tmp_path: Path) -> None:
+    """Chunk mode's corpus: long English and Chinese records within the token budget,
+    the same for the same seed; without it, the records are drawn as before; the window
+    checks count with the model's tokenizer."""
+    from tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model()
+    corpus = long_texts.LongTexts(model, 24, 4)
+    assert corpus.has_tokenizer and corpus.budget == 20 * common.MAX_CHUNKS // 2
+    rng, rng_again = random.Random(7), random.Random(7)
+    drawn = [corpus.text(rng, f"id-{n}") for n in range(400)]
+    again = [corpus.text(rng_again, f"id-{n}") for n in range(400)]
+    assert [d and d.text for d in drawn] == [d and d.text for d in again]
+    long = [d for d in drawn if d is not None and d.kind in long_texts.LONG_KINDS]
+    assert long and all(d.text.endswith(")") for d in long)
+    sizes = corpus.tokens([d.text for d in long])
+    assert max(sizes) <= corpus.budget + 400 and min(sizes) > 4 * 24
+    kinds = {d.kind for d in drawn if d is not None}
+    assert {"long-english", "medium"} <= kinds
+    if corpus.zh:
+        assert {"long-chinese", "short-chinese"} <= kinds
+    plain = records.good_value(random.Random(3), "a")
+    assert plain == records.good_value(random.Random(3), "a", corpus=None)
+    # The window checks: a record over N tokens in one chunk, a chunk over N tokens.
+    text = " ".join(["lantern"] * 30)
+    real = {(0, 0): _good(text), (0, 1): _good("short text")}
+    rows: list[tuple[int, int, str]] = [
+        (0, 0, check.ChunkedText([(0, 1, 0, len(text), text, False)])),
+        (0, 1, check.ChunkedText([(0, 1, 0, 10, "short text", False)])),
+    ]
+    found = chunks.check_chunks(real, rows, corpus, tokens=24, overlap=4)
+    assert (found.uncut, found.oversize, found.overcut) == ([(0, 0)], [(0, 0)], [])
+    assert found.long_published == 1 and found.text == found.spans == []
+
+
 def test_tiny_model_loads_and_embeds(tmp_path: Path) -> None:
     from tiny_model import ensure_tiny_model
 
@@ -277,3 +378,26 @@ def test_chaos_upsert_seed_keeps_the_latest_version_of_each_document(tmp_path: P
     documents = result["documents"]
     assert documents["deletions"] and documents["updated"] and documents["readded"], documents
     assert result["purge"]["erased_rows"] and result["purge"]["audit_rc"] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_chaos_chunked_seed_keeps_every_record_whole(tmp_path: Path) -> None:
+    """`--chunk-tokens 96 --chunk-overlap 16`: long records cut into many chunks while
+    workers are SIGKILLed; every record's chunks complete, in one segment, each its
+    record's text[char_start:char_end], indexed once each; the audit exits 0."""
+    returncode, report = _run_chaos(
+        tmp_path, CHUNK_SEED, CHUNK_SCENARIO, "--chunk-tokens", "96", "--chunk-overlap", "16"
+    )
+    assert returncode == 0, report
+    summary = json.loads(report.split("summary: ", 1)[1].splitlines()[0])
+    assert summary["passed"] == 1 and summary["lost"] == summary["doubled"] == 0, report
+    assert summary["chunking"] == {"tokens": 96, "overlap": 16}
+    (result,) = json.loads((tmp_path / "chaos.json").read_text())["results"]
+    found = result["chunks"]
+    assert found["multi"] >= 100 and found["max_chunk_count"] >= 20, found
+    assert found["long_published"] == found["multi"], found
+    assert all(found[k] == 0 for k in chunks.ChunkVerdict.LISTS), found
+    assert found["audit_chunk_rows"] == found["rows"] and result["audit"]["rc"] == 0
+    assert result["index"] == {"missing": 0, "doubled": 0, "extra": 0}, result["index"]
+    assert any(w["killed"] for w in result["workers"].values()), result["workers"]

@@ -271,3 +271,45 @@ def test_purges_while_a_worker_writes_lose_nothing_and_resurrect_nothing(
         table = pq.read_table(path, columns=["doc_key", "text"])
         kept += zip(table["doc_key"].to_pylist(), table["text"].to_pylist(), strict=True)
     assert sorted(kept) == sorted(live.items())  # only the live versions are left
+
+
+def test_chunked_documents_are_replaced_and_deleted_whole(
+    broker: str, make_topic, group_id: str, tmp_path: Path
+) -> None:
+    """An update replaces all of a document's chunks, whatever their number before and
+    after; a delete removes them all; search finds live chunks only."""
+    sentence = "The turbine controller logs every vibration alarm with its rotor speed. "
+    topic = make_topic(partitions=1)
+    versions = [
+        (b"manual", value(sentence * 30)),  # many chunks
+        (b"ticket", value("Ticket 42: the pump in hall B leaks oil near the seal. " * 25)),
+        (b"manual", value("The manual moved to the new wiki.")),  # one chunk
+        (b"manual", value("Reset the controller by holding the red button. " * 12)),
+        (b"ticket", None),
+    ]
+    publish_raw(broker, topic, versions)
+    output = tmp_path / "out"
+    extra = ("--write-mode", "upsert", "--chunk-tokens", "48", "--chunk-overlap", "8")
+    done = run_until_end(broker, topic, group_id, output, *extra)
+    assert done.returncode == 0, done.stderr
+    rows = lance.dataset(str(output / "current")).to_table().to_pylist()
+    assert {r["doc_key"] for r in rows} == {"manual"}
+    latest = json.loads(versions[3][1])["text"]  # type: ignore[arg-type]
+    chunks = sorted(rows, key=lambda r: r["chunk"])
+    assert {r["offset"] for r in chunks} == {3}
+    assert [r["chunk"] for r in chunks] == list(range(chunks[0]["chunk_count"]))
+    assert len(chunks) > 1
+    assert all(r["text"] == latest[r["char_start"] : r["char_end"]] for r in chunks)
+    hits = search(output, "pump in hall B leaks oil", broker)
+    assert all(h["offset"] == 3 for h in hits), "only the live version's chunks are found"
+    hits = search(output, "vibration alarm rotor speed", broker)
+    assert all("vibration" not in h["text"] for h in hits)
+    checks = (["audit", "--group", group_id, "--topic", topic], ["index", "check"])
+    for command in checks:
+        assert pipeline(broker, *command, "--output", str(output)).returncode == 0
+    pipeline(broker, "compact", "--purge", "--output", str(output))
+    raw = b"".join(p.read_bytes() for p in output.rglob("*") if p.is_file())
+    for erased in (b"vibration alarm", b"leaks oil", b"new wiki"):
+        assert erased not in raw
+    for command in checks:
+        assert pipeline(broker, *command, "--output", str(output)).returncode == 0

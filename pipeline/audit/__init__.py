@@ -26,6 +26,14 @@ in the dead-letter topic. The same offset dead-lettered twice is a dead-letter
 *repeat*, listed on its own and failing the audit too: each bad record is in the
 dead-letter topic exactly once (consumers.dead_letters).
 
+CHUNKS: in a chunked output (`pipeline run --chunk-tokens N`) a record is a row
+per chunk, all in one segment: the accounting above counts its offset once per
+segment holding rows of it (twice: doubled), and every record's rows must be
+(offset, chunk) for chunk 0..chunk_count-1 exactly once each, with one
+chunk_count; a record otherwise (a chunk missing, twice, past the count, counts
+that disagree) is listed as `bad_chunks` and fails the audit. `rows` counts
+records there, `chunk_rows` the rows.
+
 This package also holds the segment coverage check that `pipeline status
 --output` uses (`output_coverage`): from the footers alone, do the segments of
 a partition tile its offsets from the first segment up to the committed offset,
@@ -35,7 +43,8 @@ One module per concern:
 
     ranges       offset ranges: runs, merge, complement, clip, count, within (pure)
     coverage     segment coverage from the footers (also `pipeline status --output`)
-    rows         the output's rows: every row's offset per partition
+    rows         the output's rows: every record's offset per partition
+    chunks       a chunked output's records: are their chunks complete? (pure)
     accounting   audit_partition: one partition's offsets accounted for (pure)
     kafka_reads  what is read from Kafka: dead letters and the gaps
     run          run_audit: the audit of one group's output
@@ -43,6 +52,7 @@ One module per concern:
 """
 
 from pipeline.audit.accounting import PartitionAudit, Scan, audit_partition
+from pipeline.audit.chunks import ChunkProblem, bad_chunk_offsets, chunk_problems
 from pipeline.audit.coverage import (
     Coverage,
     DamagedFile,
@@ -75,6 +85,7 @@ from pipeline.audit.run import present_topics, resolve_topics, run_audit
 __all__ = [
     "MERGE_WITHIN",
     "STALL_S",
+    "ChunkProblem",
     "Coverage",
     "DamagedFile",
     "DeadLetters",
@@ -85,7 +96,9 @@ __all__ = [
     "Scan",
     "audit_partition",
     "audit_report",
+    "bad_chunk_offsets",
     "check_coverage",
+    "chunk_problems",
     "clip",
     "complement",
     "count",

@@ -7,11 +7,12 @@ in the audit, a fake in the tests).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from pipeline.audit.chunks import ChunkProblem
 from pipeline.audit.coverage import Coverage
 from pipeline.audit.ranges import (
     EMPTY,
@@ -49,10 +50,22 @@ class PartitionAudit:
     without_record: int
     scanned: int
     coverage: Coverage
+    # Chunked outputs: `rows` counts records (an offset once per segment holding it);
+    # `chunk_rows` the rows, and `bad_chunks` the records whose chunks are not
+    # complete (pipeline.audit.chunks), the first few of them described.
+    chunked: bool = False
+    chunk_rows: int = 0
+    bad_chunks: list[Range] = field(default_factory=list)
+    chunk_problems: list[ChunkProblem] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.missing and not self.doubled and not self.dead_letter_repeats
+        return (
+            not self.missing
+            and not self.doubled
+            and not self.dead_letter_repeats
+            and not self.bad_chunks
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,7 +95,19 @@ class PartitionAudit:
                 "overlaps": [list(r) for r in self.coverage.overlaps],
                 "damaged": [d.to_dict() for d in self.coverage.damaged],
             },
+            **(self._chunk_fields() if self.chunked else {}),
             "ok": self.ok,
+        }
+
+    def _chunk_fields(self) -> dict[str, Any]:
+        return {
+            "chunked": True,
+            "chunk_rows": self.chunk_rows,
+            "bad_chunks": [list(r) for r in self.bad_chunks],
+            "bad_chunks_count": count(self.bad_chunks),
+            "chunk_problems": [
+                {"offset": p.offset, "problem": p.problem} for p in self.chunk_problems
+            ],
         }
 
 
@@ -96,12 +121,17 @@ def audit_partition(
     coverage: Coverage,
     scan: Scan,
     purged: np.ndarray = EMPTY,
+    chunk_rows: int | None = None,
+    bad_chunks: np.ndarray = EMPTY,
+    chunk_problems: Sequence[ChunkProblem] = (),
 ) -> PartitionAudit:
     """Accounts for the partition's offsets below `committed`; `scan` reads the gaps in Kafka.
 
     `rows` and `dead_letters` are sorted offsets, repeats kept; `end` is the
     read_committed end (last stable offset) and `log_start` the first offset
-    Kafka still holds.
+    Kafka still holds. A chunked output (`chunk_rows` given: its row count) gives
+    one offset in `rows` per record and segment, and in `bad_chunks` the offsets
+    whose chunks are not complete, `chunk_problems` describing the first of them.
     """
     first = coverage.first
     checked_from = first if coverage.start == START_FROM_COMMITTED and first is not None else 0
@@ -142,4 +172,8 @@ def audit_partition(
         without_record=count(readable) - unseen_lost - int(found.size),
         scanned=count(readable),
         coverage=coverage,
+        chunked=chunk_rows is not None,
+        chunk_rows=chunk_rows or 0,
+        bad_chunks=runs(bad_chunks),
+        chunk_problems=list(chunk_problems),
     )

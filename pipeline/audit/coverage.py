@@ -44,7 +44,9 @@ class Coverage:
 
     `gaps`: offsets from the first segment's first offset (0 when there is no
     segment at all) up to committed-1 that no readable segment covers.
-    `overlaps`: offsets that two segments cover.
+    `overlaps`: offsets that two segments cover. `rows` counts rows, one vector each
+    (the index's entries): in a chunked output (`chunked`) a row per chunk, not per
+    record.
     """
 
     topic: str
@@ -58,6 +60,7 @@ class Coverage:
     gaps: tuple[Range, ...] = ()
     overlaps: tuple[Range, ...] = ()
     damaged: tuple[DamagedFile, ...] = ()
+    chunked: bool = False  # a segment's rows are chunks of records (sinks.segments)
 
     @property
     def ok(self) -> bool:
@@ -105,6 +108,7 @@ def check_coverage(
         gaps=tuple(gaps),
         overlaps=tuple(_overlaps(ranges)),
         damaged=tuple(damaged),
+        chunked=any(info.chunked for info in readable),
     )
 
 

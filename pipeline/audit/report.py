@@ -33,6 +33,9 @@ def audit_report(
         "without_record": sum(a.without_record for a in audits),
         "damaged_files": len(damaged),
     }
+    if any(a.chunked for a in audits):  # a chunked output: its rows and broken records
+        totals["chunk_rows"] = sum(a.chunk_rows for a in audits)
+        totals["bad_chunks"] = sum(count(a.bad_chunks) for a in audits)
     return {
         "group": group,
         "topics": list(topics),
@@ -63,7 +66,17 @@ def render_audit(report: Mapping[str, Any]) -> str:
         "DLQ_REPEATS",
     ]
     table = [columns] + [_audit_cells(p) for p in report["partitions"]]
-    lines = align(table, right={1, 2, 3, 4, 7})
+    chunked = any(p.get("chunked") for p in report["partitions"])
+    if chunked:  # ROWS counts records; CHUNKS their rows
+        table[0] += ["CHUNKS", "BAD_CHUNKS"]
+        for cells, partition in zip(table[1:], report["partitions"], strict=True):
+            cells += _chunk_cells(partition)
+    lines = align(table, right={1, 2, 3, 4, 7, 9} if chunked else {1, 2, 3, 4, 7})
+    lines.extend(
+        f"chunks: {p['topic']}[{p['partition']}] offset {problem['offset']}: {problem['problem']}"
+        for p in report["partitions"]
+        for problem in p.get("chunk_problems", [])
+    )
     lines.extend(f"damaged: {d['file']} ({d['reason']})" for d in report.get("damaged", []))
     lines.extend(f"warning: {w}" for w in report.get("warnings", []))
     lines.append(_verdict_line(report))
@@ -88,12 +101,27 @@ def _audit_cells(partition: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _chunk_cells(partition: Mapping[str, Any]) -> list[str]:
+    if not partition.get("chunked"):
+        return ["-", "-"]
+    bad = describe_ranges([tuple(r) for r in partition["bad_chunks"]])  # type: ignore[misc]
+    return [str(partition["chunk_rows"]), bad]
+
+
 def _verdict_line(report: Mapping[str, Any]) -> str:
     totals = report["totals"]
     head = "audit OK" if report["ok"] else "audit FAILED"
+    # A chunked output's rows are chunks: its records are counted, and their chunks.
+    rows = (
+        f"{totals['rows']} records in {totals['chunk_rows']} chunk rows, "
+        f"{totals['bad_chunks']} with chunks incomplete or doubled, "
+        if "chunk_rows" in totals
+        else f"{totals['rows']} rows, "
+    )
     return (
         f"{head}: group {report['group']}, {totals['partitions']} partition(s), "
-        f"{totals['rows']} rows, {totals['dead_lettered']} dead-lettered, "
+        + rows
+        + f"{totals['dead_lettered']} dead-lettered, "
         + (f"{totals['purged']} purged, " if totals.get("purged") else "")
         + f"{totals['missing']} missing, {totals['doubled']} doubled, "
         f"{totals['dead_letter_repeats']} dead-lettered twice, "

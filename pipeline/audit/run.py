@@ -74,6 +74,9 @@ def run_audit(
                 rows.coverage(key, committed.get(key)),
                 scan,
                 rows.purged_of(key),
+                rows.chunk_rows.get(key),
+                rows.bad_chunks_of(key),
+                rows.chunk_problems.get(key, ()),
             )
             for key, tp in zip(keys, tps, strict=True)
         ]

@@ -25,7 +25,14 @@ from pipeline.core.model_info import SIMILARITIES
     type=click.IntRange(min=1),
     default=10,
     show_default=True,
-    help="How many nearest records to print.",
+    help="How many nearest records to print (with --chunks: chunks).",
+)
+@click.option(
+    "--chunks",
+    "chunks",
+    is_flag=True,
+    help="In an output of chunks (pipeline run --chunk-tokens): print the nearest chunks, "
+    "each on its own, rather than the best chunk of each of the nearest records.",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for machines.")
 @env_option(
@@ -42,17 +49,25 @@ from pipeline.core.model_info import SIMILARITIES
 )
 @click.argument("query")
 def search(
-    output: Path, k: int, as_json: bool, device: str, query_prompt: str | None, query: str
+    output: Path,
+    k: int,
+    chunks: bool,
+    as_json: bool,
+    device: str,
+    query_prompt: str | None,
+    query: str,
 ) -> None:
     """Embed QUERY with the output's model and print its nearest records.
 
     Ranked and scored by the model's similarity as sentence-transformers computes it
     (cosine by default; dot; euclidean and manhattan: minus the distance), named in
-    the JSON as `similarity`.
+    the JSON as `similarity`. In an output of chunks, each record's best chunk is its
+    hit, with its span: `chunk` (0-based), `chunk_count`, `char_start`, `char_end` in
+    the JSON; `chunk 3/12 chars 4120-5033` (1-based) in print.
     """
     from pipeline.search import search as search_index
 
-    found = search_index(output, query, k, device, query_prompt)
+    found = search_index(output, query, k, device, query_prompt, chunks)
     hits = found.hits
     if as_json:
         body = {"query": query, "similarity": found.similarity, "hits": hits}
@@ -61,9 +76,15 @@ def search(
     for rank, hit in enumerate(hits, 1):
         text = " ".join(hit["text"].split())
         text = text if len(text) <= 160 else text[:157] + "..."
+        span = (
+            f"  chunk {hit['chunk'] + 1}/{hit['chunk_count']} chars "
+            f"{hit['char_start']}-{hit['char_end']}"
+            if "chunk" in hit
+            else ""
+        )
         click.echo(
             f"{rank:>2}. {hit['score']:.4f}  {hit['topic']}[{hit['partition']}]@"
-            f"{hit['offset']}  id={hit['id']}\n    {text}"
+            f"{hit['offset']}{span}  id={hit['id']}\n    {text}"
         )
 
 

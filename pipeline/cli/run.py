@@ -9,6 +9,7 @@ import click
 
 from pipeline.cli.main import main
 from pipeline.cli.options import MODEL_HELP, F, env_option, output_option
+from pipeline.core.chunks import OVERFLOWS
 from pipeline.core.config import (
     DEVICES,
     PRECISIONS,
@@ -121,6 +122,30 @@ def _run_option(flag: str, **kwargs: Any) -> Callable[[F], F]:
     "--max-key-bytes",
     type=int,
     help="Upsert mode: document keys over this many UTF-8 bytes are bad records.",
+)
+@env_option(
+    "--chunk-tokens",
+    type=int,
+    default=None,
+    help="Cut texts longer than N model tokens into chunks of at most N, each a row with its "
+    "own vector (docs/chunking.md) [default: off; texts past the model's length are cut "
+    "and flagged truncated].",
+)
+@_run_option(
+    "--chunk-overlap",
+    type=int,
+    help="With --chunk-tokens: tokens each chunk shares with the one before.",
+)
+@_run_option(
+    "--max-chunks",
+    type=int,
+    help="With --chunk-tokens: chunks of one record, at most (past it: --chunk-overflow).",
+)
+@_run_option(
+    "--chunk-overflow",
+    type=click.Choice(OVERFLOWS),
+    help="A record past --max-chunks: to the dead-letter topic (TooManyChunks), or keep its "
+    "first chunks, flagged truncated.",
 )
 @_run_option(
     "--max-text-bytes",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.core.chunks import MAX_CHUNKS_LIMIT, OVERFLOWS, Chunking
 from pipeline.core.documents import DOCUMENT_KEYS, UPSERT, WRITE_MODES, DocumentKeys
 from pipeline.core.errors import ConfigError
 
@@ -125,6 +126,12 @@ class InputSettings:
     write_mode: str = "append"
     document_key: str = "id"
     max_key_bytes: int = 1024
+    # Long texts cut into windows of this many tokens, `chunk_overlap` shared by
+    # neighbours (pipeline.core.chunks); None: embedded whole, cut at the model's length.
+    chunk_tokens: int | None = None
+    chunk_overlap: int = 0
+    max_chunks: int = 128
+    chunk_overflow: str = "dead-letter"
 
 
 @dataclass(frozen=True)
@@ -340,6 +347,7 @@ class WorkerConfig:
                 "--compact-purge erases superseded documents: it needs --write-mode upsert"
             )
         _check_positive("max key bytes", self.input.max_key_bytes)
+        self._validate_chunking()
         _check_positive("view sync interval (s)", self.storage.view_sync_interval_s)
         _check_choice("precision", m.precision, PRECISIONS)
         _check_choice("device", m.device, DEVICES)
@@ -356,6 +364,32 @@ class WorkerConfig:
             raise ConfigError("--text-field and --id-field must differ")
         check_cache_spec(self.cache.spec)
         parse_cache_size(self.cache.size)
+
+    def _validate_chunking(self) -> None:
+        i = self.input
+        _check_choice("chunk overflow", i.chunk_overflow, OVERFLOWS)
+        if not 1 <= i.max_chunks <= MAX_CHUNKS_LIMIT:
+            raise ConfigError(f"--max-chunks must be 1 to {MAX_CHUNKS_LIMIT}, got {i.max_chunks}")
+        if i.chunk_overlap < 0:
+            raise ConfigError(f"--chunk-overlap must be 0 or more, got {i.chunk_overlap}")
+        if i.chunk_tokens is None:
+            if i.chunk_overlap:
+                raise ConfigError("--chunk-overlap cuts chunks: it needs --chunk-tokens")
+            return
+        _check_positive("chunk tokens", i.chunk_tokens)
+        if i.chunk_overlap >= i.chunk_tokens:
+            raise ConfigError(
+                f"--chunk-overlap {i.chunk_overlap} must be smaller than --chunk-tokens "
+                f"{i.chunk_tokens}: each window must move on"
+            )
+
+    @property
+    def chunking(self) -> Chunking | None:
+        """How long texts are cut into chunks; None: they are not."""
+        i = self.input
+        if i.chunk_tokens is None:
+            return None
+        return Chunking(i.chunk_tokens, i.chunk_overlap, i.max_chunks, i.chunk_overflow)
 
     @property
     def documents(self) -> DocumentKeys | None:

@@ -129,5 +129,12 @@ def paired(
         return list(zip(parsed, tokens, strict=True))
     keyed = documents.keyed(parsed)
     return [
-        (k, t if isinstance(k, GoodRecord) else None) for k, t in zip(keyed, tokens, strict=True)
+        (k, t if isinstance(k, GoodRecord) else None)
+        for p, k, t in zip(parsed, keyed, tokens, strict=True)
+        if isinstance(k, GoodRecord) or not _later_chunk(p)  # a bad record is one, not a chunk
     ]
+
+
+def _later_chunk(record: GoodRecord | BadRecord) -> bool:
+    span = getattr(record, "span", None)
+    return span is not None and span.chunk > 0

@@ -92,7 +92,9 @@ class WorkerMetrics:
             registry=r,
         )
         self.truncated = Counter(
-            "pipeline_truncated_records", "Records cut at the model's maximum length", registry=r
+            "pipeline_truncated_records",
+            "Rows whose text the model's length (or --max-chunks) cut: search cannot see the rest",
+            registry=r,
         )
         self.embed_seconds = Histogram(
             "pipeline_embed_seconds",

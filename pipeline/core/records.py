@@ -11,9 +11,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
+from itertools import repeat
 from typing import Any, NamedTuple, Protocol
 
 import orjson
+
+from pipeline.core.chunks import Span
 
 # 19 digits in a row (an integer that may not fit 64 bits), found as 19 zeros once
 # every digit reads "0": two C passes, a tenth of what a regex scan cost.
@@ -78,6 +81,9 @@ class GoodRecord(NamedTuple):
     text: str
     record_id: str | None
     metadata: str | None  # the other JSON fields, re-serialised
+    # A chunk of the record's text, or the whole text cut by the model's length
+    # (pipeline.core.chunks); None: the whole text, embedded whole.
+    span: Span | None = None
 
 
 _new_good_record = partial(tuple.__new__, GoodRecord)
@@ -90,7 +96,8 @@ def good_records(
     metadatas: Iterable[str | None],
 ) -> list[GoodRecord]:
     """GoodRecords from columns, without a Python call a record."""
-    return list(map(_new_good_record, zip(sources, texts, record_ids, metadatas, strict=True)))
+    columns = zip(sources, texts, record_ids, metadatas, repeat(None), strict=False)
+    return list(map(_new_good_record, columns))
 
 
 @dataclass(slots=True)

@@ -7,6 +7,10 @@ upsert mode, how far the current view has applied each partition. A
 partition whose segments leave a gap below the committed offset, or overlap,
 gets the MISMATCH verdict; an index that lags its rows is only reported (the
 index is synced some seconds after the segments are published).
+
+Rows are what the index holds one vector each of: in a chunked output (`pipeline
+run --chunk-tokens N`) a row per chunk, so `rows` and the index's entries count
+chunks, and neither is compared with a count of offsets (`"chunked": true` says so).
 """
 
 from __future__ import annotations
@@ -51,11 +55,12 @@ class PartitionOutput:
             "damaged": [d.path for d in coverage.damaged],
             "mismatch": self.mismatch(),
             **({"view_through": self.view_through} if self.upsert else {}),
+            **({"chunked": True} if coverage.chunked else {}),
         }
 
     def mismatch(self) -> str | None:
         problems = self.coverage.problems()
-        rows = self.coverage.rows
+        rows = self.coverage.rows  # one vector each: a chunked record's chunks are rows
         # Upsert mode: tombstones are rows without a vector, so the counts differ.
         if not self.upsert and self.index_entries is not None and self.index_entries != rows:
             problems.append(f"index has {self.index_entries} entries for {rows} rows")

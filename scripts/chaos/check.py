@@ -73,11 +73,68 @@ def group_committed(bootstrap: str, group: str, topic: str, partitions: int) -> 
     return {p: offset for p, offset in found.items() if offset is not None and offset >= 0}
 
 
+class ChunkedText(str):
+    """A chunked record's rows (`pipeline run --chunk-tokens N`) as one row of the scan.
+
+    Its value is its chunks' texts joined, in chunk order (for display); compared with
+    a record's text it is equal when its chunks are complete (0..chunk_count-1, once
+    each) and each is the text's [char_start:char_end], with nothing but whitespace
+    outside them (past the last one, anything when it says the text was truncated)."""
+
+    spans: tuple[tuple[int, int, int, int, str, bool], ...]  # chunk, count, start, end,
+    # text, truncated
+
+    def __new__(cls, spans: Iterable[tuple[int, int, int, int, str, bool]]) -> ChunkedText:
+        ordered = tuple(sorted(spans))
+        made = super().__new__(cls, "".join(span[4] for span in ordered))
+        made.spans = ordered
+        return made
+
+    @property
+    def chunks(self) -> list[int]:
+        return [span[0] for span in self.spans]
+
+    @property
+    def complete(self) -> bool:
+        counts = {span[1] for span in self.spans}
+        return len(counts) == 1 and self.chunks == list(range(counts.pop()))
+
+    def matches(self, text: str | None) -> bool:
+        if text is None or not self.complete:
+            return False
+        covered = 0
+        for _, _, start, end, chunk_text, _ in self.spans:
+            if text[start:end] != chunk_text or text[covered:start].strip():
+                return False
+            covered = max(covered, end)
+        return self.spans[-1][5] or not text[covered:].strip()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str) and not isinstance(other, ChunkedText):
+            return self.matches(other)
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+def row_ids(partition: int, offset: int, text: str) -> list[tuple[int, ...]]:
+    """The index ids a scan row stands for: (partition, offset), or in a chunked output
+    (partition, offset, chunk) for each of its chunks (index_entries keys them so)."""
+    if isinstance(text, ChunkedText):
+        return [(partition, offset, chunk) for chunk in text.chunks]
+    return [(partition, offset)]
+
+
 @dataclass
 class RowScan:
     """What the Parquet files under DIR/vectors hold, read with pyarrow alone."""
 
-    rows: list[tuple[int, int, str]] = field(default_factory=list)  # partition, offset, text
+    # partition, offset, text: a row per record (a chunked record's rows in one, its
+    # text a ChunkedText)
+    rows: list[tuple[int, int, str]] = field(default_factory=list)
     other_topics: int = 0  # rows naming another topic than the seed's
     bad_vectors: int = 0  # not finite, or not of unit length (the tiny model normalises)
     files: int = 0
@@ -91,6 +148,8 @@ class RowScan:
 _SEGMENT_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d{5})-\d{20}(?:-\d{20})?\.parquet$")
 _PURGED_KEY = b"segment.purged"  # sinks.segments.PURGED_KEY: [[first, last], ...]
 _UPSERT_COLUMNS = ("doc_key", "deleted")
+# A chunked output's (pipeline.core.chunks): a record is a row per chunk.
+_CHUNK_COLUMNS = ("chunk", "chunk_count", "char_start", "char_end", "truncated")
 
 
 def parquet_rows(output: Path, topic: str) -> RowScan:
@@ -104,7 +163,8 @@ def parquet_rows(output: Path, topic: str) -> RowScan:
         try:
             schema = pq.read_schema(path)
             extra = [c for c in _UPSERT_COLUMNS if c in schema.names]
-            table = pq.read_table(path, columns=columns + extra)
+            spans = [c for c in _CHUNK_COLUMNS if c in schema.names]
+            table = pq.read_table(path, columns=columns + extra + spans)
         except (OSError, ValueError) as exc:  # pyarrow's errors: its rows count as absent
             scan.unreadable.append(f"{path.name}: {exc}")
             continue
@@ -113,28 +173,26 @@ def parquet_rows(output: Path, topic: str) -> RowScan:
             continue
         mine = [t == topic for t in table["topic"].to_pylist()]
         scan.other_topics += mine.count(False)
-        scan.rows += [
-            row
-            for row, ok in zip(
-                zip(
-                    table["partition"].to_pylist(),
-                    table["offset"].to_pylist(),
-                    table["text"].to_pylist(),
-                    strict=True,
-                ),
-                mine,
+        rows = list(
+            zip(
+                table["partition"].to_pylist(),
+                table["offset"].to_pylist(),
+                table["text"].to_pylist(),
                 strict=True,
             )
-            if ok
-        ]
+        )
         deleted = np.zeros(table.num_rows, dtype=bool)
+        documents: list[tuple[str | None, bool]] = []
         if extra:
             keys = table["doc_key"].to_pylist() if "doc_key" in extra else [None] * len(mine)
             flags = table["deleted"].to_pylist() if "deleted" in extra else [False] * len(mine)
             deleted = np.array([bool(f) for f in flags], dtype=bool)
-            scan.documents += [
-                (k, bool(f)) for k, f, ok in zip(keys, flags, mine, strict=True) if ok
-            ]
+            documents = [(k, bool(f)) for k, f in zip(keys, flags, strict=True)]
+        if "chunk" in spans:  # a record per row: the seed's topic's only
+            rows, documents = _records(table, rows, documents, spans, topic)
+            mine = [True] * len(rows)
+        scan.rows += [row for row, ok in zip(rows, mine, strict=True) if ok]
+        scan.documents += [d for d, ok in zip(documents, mine, strict=False) if ok]
         flat = table["embedding"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
         vectors = flat.reshape(table.num_rows, -1)
         norms = np.linalg.norm(vectors, axis=1)
@@ -143,6 +201,45 @@ def parquet_rows(output: Path, topic: str) -> RowScan:
         bad[deleted] = norms[deleted] != 0
         scan.bad_vectors += int(bad.sum())
     return scan
+
+
+def _records(
+    table: Any,
+    rows: list[tuple[int, int, str]],
+    documents: list[tuple[str | None, bool]],
+    spans: list[str],
+    topic: str,
+) -> tuple[list[tuple[int, int, str]], list[tuple[str | None, bool]]]:
+    """A chunked segment's rows of `topic` as one row per record (in the order of their
+    first rows), its text a ChunkedText; and one document entry per record."""
+    columns = {name: table[name].to_pylist() for name in spans}
+    absent = [None] * len(rows)
+    topics = table["topic"].to_pylist()
+    grouped: dict[tuple[int, int], list[int]] = {}
+    for n, (partition, offset, _) in enumerate(rows):
+        if topics[n] == topic:
+            grouped.setdefault((partition, offset), []).append(n)
+    records, docs = [], []
+    for (partition, offset), indices in grouped.items():
+        text = ChunkedText(
+            (
+                _int(columns["chunk"][n]),
+                _int(columns.get("chunk_count", absent)[n]),
+                _int(columns.get("char_start", absent)[n]),
+                _int(columns.get("char_end", absent)[n]),
+                rows[n][2],
+                bool(columns.get("truncated", absent)[n]),
+            )
+            for n in indices
+        )
+        records.append((partition, offset, text))
+        if documents:
+            docs.append(documents[indices[0]])
+    return records, docs
+
+
+def _int(value: Any) -> int:
+    return -1 if value is None else int(value)
 
 
 def _purged(scan: RowScan, path: Path, metadata: dict[bytes, bytes], topic: str) -> None:
@@ -164,9 +261,10 @@ def dead_letters(records: Iterable[Any], topic: str) -> Counter[tuple[int, int]]
     return found
 
 
-def index_entries(output: Path, topic: str) -> Counter[tuple[int, int]] | None:
-    """(partition, offset) of each FAISS index entry; None when there is no index."""
-    from sinks.index.store import IndexStore, decode_id
+def index_entries(output: Path, topic: str) -> Counter[tuple[int, ...]] | None:
+    """(partition, offset) of each FAISS index entry, (partition, offset, chunk) in an
+    index of chunks; None when there is no index."""
+    from sinks.index.store import IndexStore
 
     if not (output / "index").is_dir():
         return None
@@ -175,12 +273,24 @@ def index_entries(output: Path, topic: str) -> Counter[tuple[int, int]] | None:
     if store.meta is None:
         return None
     numbers = {no: name for name, no in store.meta.topics.items()}
-    entries: Counter[tuple[int, int]] = Counter()
+    decode = id_decoder(store.meta)
+    entries: Counter[tuple[int, ...]] = Counter()
     for vector_id in store.ids():
-        topic_no, partition, offset = decode_id(int(vector_id))
+        topic_no, *place = decode(int(vector_id))
         if numbers.get(topic_no) == topic:
-            entries[(partition, offset)] += 1
+            entries[tuple(place)] += 1
     return entries
+
+
+def id_decoder(meta: Any) -> Any:
+    """An index id as (topic_no, partition, offset), or (topic_no, partition, offset,
+    chunk) where the index's ids are of chunks (sinks.index.shards.IdLayout)."""
+    from sinks.index.shards import decode_id
+
+    layout = getattr(meta, "layout", None)
+    if layout is not None and getattr(layout, "chunked", False):
+        return layout.decode
+    return decode_id
 
 
 # ---------------------------------------------------------------------------- the check
@@ -248,7 +358,7 @@ def check_records(
     """Every real record in exactly one row, or (bad records) in the dead-letter topic."""
     verdict = Verdict(records=len(real), rows=len(rows), dead_letters=sum(dlq.values()))
     row_count: Counter[tuple[int, int]] = Counter((p, o) for p, o, _ in rows)
-    row_text = {(p, o): t for p, o, t in rows}
+    row_text = {(p, o): t for p, o, t in rows}  # a chunked record's: its ChunkedText
     for key, value in sorted(real.items()):
         bad = is_bad(value)
         verdict.bad_records += bad
@@ -268,7 +378,7 @@ def check_records(
 
 
 def check_index(verdict: Verdict, rows: list[tuple[int, int, str]], index: Counter | None) -> None:
-    row_keys = {(p, o) for p, o, _ in rows}
+    row_keys = {key for p, o, t in rows for key in row_ids(p, o, t)}
     if index is None:
         verdict.index = {"absent": 1 if row_keys else 0}
         return

@@ -76,6 +76,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="upsert mode: end each seed without `pipeline compact --purge` and its check "
         "(purge: %(default)s)",
     )
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="chunk mode: every worker runs with --chunk-tokens N; the corpus adds long "
+        "records (3-20 KB of this machine's English and Chinese texts), cut into many "
+        "chunks, and the check requires each record's chunks complete, in one segment, "
+        "each the record's text[char_start:char_end], each indexed once, and `pipeline "
+        "audit` to exit 0",
+    )
+    parser.add_argument(
+        "--chunk-overlap",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --chunk-tokens: every worker runs with --chunk-overlap M "
+        "(None: the worker's default, 0)",
+    )
     parser.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     parser.add_argument("--port", type=int, default=19092, help="the harness broker's port")
@@ -87,7 +106,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--keep-broker", action="store_true", help="leave the broker running")
     parser.add_argument("--keep-topics", action="store_true", help="do not delete seed topics")
     parser.add_argument("-v", "--verbose", action="store_true", help="print events as they happen")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.chunk_overlap is not None and args.chunk_tokens is None:
+        parser.error("--chunk-overlap needs --chunk-tokens")
+    if args.chunk_tokens is not None and args.chunk_tokens < 1:
+        parser.error("--chunk-tokens must be at least 1")
+    overlap = args.chunk_overlap or 0
+    if args.chunk_tokens is not None and not 0 <= overlap < args.chunk_tokens:
+        parser.error("--chunk-overlap must be at least 0 and smaller than --chunk-tokens")
+    return args
 
 
 def code_version() -> str:
@@ -123,6 +150,7 @@ def summarize(results: list[SeedResult], seconds: float) -> dict[str, Any]:
             r.seed for r in results if r.audit.get("present") and not r.audit.get("agrees")
         ],
         **(_documents_summary(results) if any(r.write_mode == "upsert" for r in results) else {}),
+        **(_chunks_summary(results) if any(r.chunking for r in results) else {}),
         "seconds": round(seconds, 1),
         # How many seeds exercised each path (from the workers' logs).
         "exercised_seeds": dict(
@@ -141,6 +169,20 @@ def _documents_summary(results: list[SeedResult]) -> dict[str, Any]:
         "view_extra": sum(r.view_extra for r in results),
         "view_stale": sum(r.view_stale for r in results),
         "purge_failed": [r.seed for r in results if r.purge and not r.purge.get("ok")],
+    }
+
+
+def _chunks_summary(results: list[SeedResult]) -> dict[str, Any]:
+    """Chunk mode's totals: chunk rows, records cut in several, the chunk verdicts."""
+    totals: Counter[str] = Counter()
+    for r in results:
+        totals.update(
+            {k: v for k, v in r.chunks.items() if isinstance(v, int) and k != "max_chunk_count"}
+        )
+    return {
+        "chunking": results[0].chunking,
+        "chunks": dict(totals),
+        "max_chunk_count": max((r.chunks.get("max_chunk_count", 0) for r in results), default=0),
     }
 
 

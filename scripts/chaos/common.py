@@ -26,6 +26,7 @@ TMP_SUFFIX = ".tmp"  # pipeline.core.layout: files being written start with a do
 BATCH_SIZES = (16, 32, 64, 128, 256)
 SLOW_BATCH_SIZES = (64, 96, 128)  # with the slow model and long texts: seconds per batch
 MAX_TEXT_BYTES = 65_536  # the worker's default cap (WorkerConfig.max_text_bytes)
+MAX_CHUNKS = 128  # the worker's default --max-chunks (chunk mode: a record's chunks, at most)
 READY = re.compile(r"model .* loaded")
 # What the workers' logs say the chaos exercised (informational, per seed).
 EXERCISED = {

@@ -111,6 +111,8 @@ class WorkerSettings:
     failpoints: str = ""
     write_mode: str = "append"  # upsert: records are versions of documents (--write-mode)
     view_sync_interval_s: float | None = None  # upsert mode's --view-sync-interval-s
+    chunk_tokens: int | None = None  # chunk mode: --chunk-tokens N (None: not chunked)
+    chunk_overlap: int | None = None  # with it: --chunk-overlap M (None: the worker's 0)
 
 
 class Fleet:
@@ -136,6 +138,10 @@ class Fleet:
             args += ["--write-mode", s.write_mode]
         if s.view_sync_interval_s is not None:
             args += ["--view-sync-interval-s", str(s.view_sync_interval_s)]
+        if s.chunk_tokens is not None:
+            args += ["--chunk-tokens", str(s.chunk_tokens)]
+        if s.chunk_overlap is not None:
+            args += ["--chunk-overlap", str(s.chunk_overlap)]
         return [*args, "--until-end"] if until_end else args
 
     def _env(self) -> dict[str, str]:

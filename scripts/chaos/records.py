@@ -27,6 +27,7 @@ from typing import Any
 
 from chaos.broker import Broker
 from chaos.common import CODECS, FOREIGN_PRODUCER, MAX_TEXT_BYTES, HarnessError
+from chaos.long_texts import LongTexts
 
 _WORDS_TEXT = (
     "river stone quiet harbour lantern copper orchard signal winter meadow engine "
@@ -42,14 +43,21 @@ def good_value(
     long_texts: bool = False,
     version: int | None = None,
     with_id: bool = True,
+    corpus: LongTexts | None = None,
 ) -> bytes:
     """A good record; `version`: upsert mode's version of document `ident` (in its text,
     so that every version's text differs); `with_id=False`: no id field (upsert mode
-    then names the document by the Kafka key)."""
-    count = rng.randint(200, 400) if long_texts else rng.randint(3, 40)
-    words = " ".join(rng.choice(WORDS) for _ in range(count))
+    then names the document by the Kafka key); `corpus` (chunk mode): some records
+    long (chunked into many), medium or Chinese, the rest as without it."""
     tag = ident if version is None else f"{ident} v{version}"
-    value: dict[str, Any] = {"id": ident, "text": f"{words.capitalize()}. ({tag})"}
+    drawn = corpus.text(rng, tag) if corpus is not None else None
+    if drawn is not None:
+        text = drawn.text
+    else:
+        count = rng.randint(200, 400) if long_texts else rng.randint(3, 40)
+        words = " ".join(rng.choice(WORDS) for _ in range(count))
+        text = f"{words.capitalize()}. ({tag})"
+    value: dict[str, Any] = {"id": ident, "text": text}
     if not with_id:
         del value["id"]
     if rng.random() < 0.3:
@@ -238,7 +246,12 @@ class Published:
 
 
 def make_items(
-    rng: random.Random, ids: Ids, count: int, bad_ratio: float, long_texts: bool = False
+    rng: random.Random,
+    ids: Ids,
+    count: int,
+    bad_ratio: float,
+    long_texts: bool = False,
+    corpus: LongTexts | None = None,
 ) -> list[tuple[bytes | None, bytes | None, bool]]:
     items = []
     for _ in range(count):
@@ -248,7 +261,7 @@ def make_items(
             items.append((key, value, True))
         else:
             key = ident.encode() if rng.random() < 0.5 else None
-            items.append((key, good_value(rng, ident, long_texts), False))
+            items.append((key, good_value(rng, ident, long_texts, corpus=corpus), False))
     return items
 
 
@@ -259,6 +272,7 @@ def make_upsert_items(
     count: int,
     bad_ratio: float,
     long_texts: bool = False,
+    corpus: LongTexts | None = None,
 ) -> list[tuple[bytes | None, bytes | None, bool]]:
     """Upsert-mode records: versions of pooled documents keyed by their ids, tombstones
     of published documents (about one in fifteen), re-adds, and bad records (generic
@@ -282,7 +296,8 @@ def make_upsert_items(
             items.append((deleted.encode(), None, False))
             continue
         document, version = docs.version(rng)
-        value = good_value(rng, document, long_texts, version, with_id=rng.random() >= 0.15)
+        with_id = rng.random() >= 0.15
+        value = good_value(rng, document, long_texts, version, with_id, corpus)
         items.append((document.encode(), value, False))
     return items
 
@@ -301,6 +316,7 @@ class Target:
     partitions: int
     long_texts: bool = False
     bad_ratio: float = 0.03  # the share of bad records (plans.Plan.bad_ratio)
+    corpus: LongTexts | None = None  # chunk mode's long, medium and Chinese texts
 
 
 def publish_python(
@@ -317,9 +333,11 @@ def publish_python(
 
     codec = rng.choice(CODECS)
     if docs is None:
-        items = make_items(rng, ids, count, target.bad_ratio, target.long_texts)
+        items = make_items(rng, ids, count, target.bad_ratio, target.long_texts, target.corpus)
     else:
-        items = make_upsert_items(rng, docs, ids, count, target.bad_ratio, target.long_texts)
+        items = make_upsert_items(
+            rng, docs, ids, count, target.bad_ratio, target.long_texts, target.corpus
+        )
     spread = rng.choice(["round-robin", "random", "one"])
     partitions, topic = target.partitions, target.topic
     producer = KafkaProducer(

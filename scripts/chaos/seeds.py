@@ -36,8 +36,10 @@ from chaos.check import (
     run_audit,
     topic_exists,
 )
+from chaos.chunks import check_chunks
 from chaos.common import BATCH_SIZES, EXERCISED, SLOW_BATCH_SIZES, TMP_SUFFIX, HarnessError
 from chaos.fleet import Fleet, Trickle, WorkerProc, WorkerSettings
+from chaos.long_texts import LongTexts, model_length
 from chaos.plans import EventLog, Step, make_plan
 from chaos.records import (
     Documents,
@@ -86,6 +88,10 @@ class SeedResult:
     view_extra: int = 0
     view_stale: int = 0
     purge: dict[str, Any] = field(default_factory=dict)
+    # Chunk mode (`--chunk-tokens`): its settings, and the chunk rows' verdict
+    # (chaos.chunks.ChunkVerdict.summary, and the kinds of texts published).
+    chunking: dict[str, int] = field(default_factory=dict)
+    chunks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -108,11 +114,20 @@ class SeedResult:
                 f"lost={self.view_lost} extra={self.view_extra} stale={self.view_stale} "
                 f"purge={purged} "
             )
+        chunks = ""
+        if self.chunking:
+            c = self.chunks
+            chunks = (
+                f"chunks={c.get('rows', 0)} (records cut {c.get('multi', 0)}, max "
+                f"{c.get('max_chunk_count', 0)}) incomplete={c.get('incomplete', 0)} "
+                f"split={c.get('split', 0)} "
+            )
         return (
             f"seed {self.seed:>3} {self.scenario:<14} p={self.partitions} "
             f"events={self.steps:>2} records={self.records:>5} (bad {self.bad_records}, "
             f"aborted {self.java_aborted}) lost={self.lost} doubled={self.doubled} "
-            f"phantom={self.phantom} audit={audit} {documents}{self.seconds:5.1f}s {status}"
+            f"phantom={self.phantom} audit={audit} {documents}{chunks}"
+            f"{self.seconds:5.1f}s {status}"
         )
 
 
@@ -144,11 +159,22 @@ class SeedRun:
             sizes = (40, 120) if self.plan.slow else (120, 450)
             self.docs = Documents(seed, random.Random(seed * 104_729 + 3).randint(*sizes))
         self.java_ids = JavaIds()
-        self.target = Target(
-            broker.bootstrap, self.topic, self.partitions, self.plan.slow, self.plan.bad_ratio
-        )
         if self.plan.slow:
             model = ensure_tiny_model(variant="slow")
+        # Chunk mode: workers run with --chunk-tokens, and the corpus has long records.
+        self.chunk_tokens: int | None = getattr(args, "chunk_tokens", None)
+        self.chunk_overlap: int | None = getattr(args, "chunk_overlap", None)
+        self.corpus: LongTexts | None = None
+        if self.chunk_tokens is not None:
+            self.corpus = LongTexts(model, self.chunk_tokens, self.chunk_overlap or 0)
+        self.target = Target(
+            broker.bootstrap,
+            self.topic,
+            self.partitions,
+            self.plan.slow,
+            self.plan.bad_ratio,
+            self.corpus,
+        )
         self.fleet = Fleet(self._worker_settings(model), self.dir / "logs", self.events)
         self.result = SeedResult(
             seed,
@@ -160,6 +186,11 @@ class SeedRun:
             work_dir=str(self.dir),
             write_mode="upsert" if self.upsert else "append",
         )
+        if self.chunk_tokens is not None:
+            self.result.chunking = {
+                "tokens": self.chunk_tokens,
+                "overlap": self.chunk_overlap or 0,
+            }
         self.trickle: Trickle | None = None
 
     def _worker_settings(self, model: Path) -> WorkerSettings:
@@ -181,6 +212,8 @@ class SeedRun:
             failpoints=self.plan.failpoints,
             write_mode="upsert" if self.upsert else "append",
             view_sync_interval_s=rng.choice([0.5, 2.0, 5.0]) if self.upsert else None,
+            chunk_tokens=self.chunk_tokens,
+            chunk_overlap=self.chunk_overlap,
         )
 
     # -- the run ---------------------------------------------------------------------------
@@ -221,6 +254,11 @@ class SeedRun:
         finally:
             admin.close()
         mode = f"upsert mode ({len(self.docs.pool)} document ids), " if self.docs else ""
+        if self.corpus is not None:
+            mode += (
+                f"chunk mode (--chunk-tokens {self.chunk_tokens} --chunk-overlap "
+                f"{self.chunk_overlap or 0}; long texts up to {self.corpus.budget} tokens), "
+            )
         self.events.write(
             f"topic {self.topic} ({self.partitions} partitions), group {self.group}, {mode}"
             f"plan {[str(s) for s in self.plan.steps]}, bulk {self.plan.bulk_workers} "
@@ -408,8 +446,40 @@ class SeedRun:
         self._record(verdict)
         self._check_leftovers()
         self.result.audit = run_audit(bootstrap, self.output, self.group, self.topic, verdict.clean)
+        if self.chunk_tokens is not None:
+            self._check_chunks(real, scan)
         if self.upsert and getattr(self.args, "purge", True):
             self._purge_and_check(want, dlq)
+
+    def _check_chunks(self, real: dict[tuple[int, int], bytes | None], scan: RowScan) -> None:
+        """Chunk mode: each record's chunks complete, in one segment, each the record's
+        text[char_start:char_end], the windows as asked; `pipeline audit` exits 0 and
+        counts the same chunk rows."""
+        assert self.chunk_tokens is not None
+        model = self.fleet.settings.model
+        verdict = check_chunks(
+            real,
+            scan.rows,
+            self.corpus,
+            self.chunk_tokens,
+            self.chunk_overlap or 0,
+            model_length(model),
+        )
+        r = self.result
+        r.chunks = verdict.summary()
+        r.chunks["published"] = dict(self.corpus.counts) if self.corpus else {}
+        r.problems += verdict.problems()
+        audit = r.audit
+        if audit.get("present"):
+            totals = audit.get("totals") or {}
+            r.chunks["audit_chunk_rows"] = totals.get("chunk_rows")
+            if audit.get("rc") != 0:
+                why = audit.get("error") or audit.get("partitions") or totals
+                r.problems.append(f"audit exited {audit.get('rc')} on a chunked output: {why}")
+            elif totals.get("chunk_rows") != verdict.rows:
+                r.problems.append(
+                    f"audit counted {totals.get('chunk_rows')} chunk rows, the check {verdict.rows}"
+                )
 
     def _check_documents(
         self, want: upsert.Expected, scan: RowScan, dlq: Counter[tuple[int, int]]

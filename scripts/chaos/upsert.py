@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.check import RowScan, Verdict, run_cli
+from chaos.check import ChunkedText, RowScan, Verdict, id_decoder, row_ids, run_cli
 from chaos.common import ranges
 from chaos.records import BAD, DELETE, GOOD, upsert_verdict
 
@@ -191,7 +191,12 @@ def check_records(
     verdict.phantom = sorted((set(row_count) | set(dlq) | set(purged)) - set(want.placement))
     if purged_phase:
         stale = want.stale_texts()
-        docs.stale_texts_left = sum(1 for _, _, t in rows if t in stale)
+        # A chunked record's text equals a stale one by its chunks, not by its hash.
+        docs.stale_texts_left = sum(
+            1
+            for _, _, t in rows
+            if t in stale or (isinstance(t, ChunkedText) and any(t == s for s in stale))
+        )
     _count_traffic(want, docs)
     return verdict, docs
 
@@ -212,14 +217,20 @@ def _count_traffic(want: Expected, docs: DocumentVerdict) -> None:
 
 
 def view_rows(output: Path) -> list[dict[str, Any]] | None:
-    """DIR/current's rows (doc_key, text, topic, partition, offset); None: no view."""
+    """DIR/current's rows (doc_key, text, topic, partition, offset, and a chunked
+    view's chunk, chunk_count, char_start, char_end, truncated); None: no view."""
     path = output / "current"
     if not path.is_dir():
         return None
     import lance
 
+    dataset = lance.dataset(str(path))
     columns = ["doc_key", "text", "topic", "partition", "offset"]
-    return lance.dataset(str(path)).to_table(columns=columns).to_pylist()
+    columns += [c for c in _VIEW_CHUNK_COLUMNS if c in dataset.schema.names]
+    return dataset.to_table(columns=columns).to_pylist()
+
+
+_VIEW_CHUNK_COLUMNS = ("chunk", "chunk_count", "char_start", "char_end", "truncated")
 
 
 def check_view(
@@ -232,6 +243,7 @@ def check_view(
         docs.view_lost = sorted(live)
         return
     docs.view_rows = len(rows)
+    rows = _view_records(rows)  # a chunked view's rows: one per version, its chunks joined
     count = Counter(r["doc_key"] for r in rows)
     docs.view_doubled = sorted(k for k, n in count.items() if n > 1)
     docs.view_other_topics = sum(1 for r in rows if r["topic"] != topic)
@@ -241,23 +253,54 @@ def check_view(
         want_version = live.get(row["doc_key"])
         if want_version is None:
             continue
-        held = (row["partition"], row["offset"], row["text"])
-        if held != (want_version.partition, want_version.offset, want_version.text):
+        held = (row["partition"], row["offset"])
+        if held != (want_version.partition, want_version.offset) or row["text"] != (
+            want_version.text
+        ):
             docs.view_stale.append(row["doc_key"])
     docs.view_stale = sorted(set(docs.view_stale))
 
 
+def _view_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The view's rows, those of one version of a document (its chunks, in a chunked
+    view) as one, its text a ChunkedText; a chunk twice stays apart (doubled)."""
+    if not rows or "chunk" not in rows[0]:
+        return rows
+    versions: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        place = (row["doc_key"], row["topic"], row["partition"], row["offset"])
+        versions.setdefault(place, []).append(row)
+    found = []
+    for chunks in versions.values():
+        text = ChunkedText(
+            (
+                r["chunk"],
+                r.get("chunk_count") or 0,
+                r.get("char_start") or 0,
+                r.get("char_end") or 0,
+                r["text"],
+                bool(r.get("truncated")),
+            )
+            for r in chunks
+        )
+        found.append({**chunks[0], "text": text})
+        numbers = text.chunks
+        found += [chunks[0]] * (len(numbers) - len(set(numbers)))  # a chunk twice: doubled
+    return found
+
+
 @dataclass
 class IndexIds:
-    held: Counter[Place]  # the shard files' ids (this topic's), every version
-    removed: set[Place]  # ids the index no longer serves (superseded, deleted)
+    # Places (partition, offset), or (partition, offset, chunk) in an index of chunks.
+    held: Counter[tuple[int, ...]]  # the shard files' ids (this topic's), every version
+    removed: set[tuple[int, ...]]  # ids the index no longer serves (superseded, deleted)
 
 
 def index_ids(output: Path, topic: str) -> IndexIds | None:
     """The ids in the index's shard files and its removals; None: no index."""
     import numpy as np
 
-    from sinks.index.shards import decode_id, ids_of, read_index_file
+    from sinks.index.shards import ids_of, read_index_file
     from sinks.index.store import IndexStore
 
     if not (output / "index").is_dir():
@@ -267,18 +310,19 @@ def index_ids(output: Path, topic: str) -> IndexIds | None:
     if meta is None:
         return None
     number = meta.topics.get(topic)
+    decode = id_decoder(meta)
 
-    def mine(ids: Iterable[int]) -> Iterable[Place]:
+    def mine(ids: Iterable[int]) -> Iterable[tuple[int, ...]]:
         for vector_id in ids:
-            topic_no, partition, offset = decode_id(int(vector_id))
+            topic_no, *place = decode(int(vector_id))
             if topic_no == number:
-                yield (partition, offset)
+                yield tuple(place)
 
-    held: Counter[Place] = Counter()
+    held: Counter[tuple[int, ...]] = Counter()
     for shard in meta.shards:
         path = store.directory / shard.file
         held.update(mine(ids_of(read_index_file(path, shard.count))))
-    removed: set[Place] = set()
+    removed: set[tuple[int, ...]] = set()
     for entry in meta.removed:
         removed.update(mine(np.load(store.directory / entry.file, allow_pickle=False)))
     return IndexIds(held, removed)
@@ -287,14 +331,15 @@ def index_ids(output: Path, topic: str) -> IndexIds | None:
 def check_index(docs: DocumentVerdict, want: Expected, scan: RowScan, ids: IndexIds | None) -> None:
     """Shard files: every non-deleted row once, no deleted row; served: the live versions."""
     flags = zip(scan.rows, scan.documents, strict=False)
-    indexed: set[Place] = set()
-    deleted: set[Place] = set()
-    for (partition, offset, _), (_, gone) in flags:
-        (deleted if gone else indexed).add((partition, offset))
+    indexed: set[tuple[int, ...]] = set()
+    deleted: set[tuple[int, ...]] = set()
+    for (partition, offset, text), (_, gone) in flags:
+        (deleted if gone else indexed).update(row_ids(partition, offset, text))
     if ids is None:
         docs.index = {"absent": 1 if indexed else 0}
         return
-    served = set(ids.held) - ids.removed
+    # Served versions: an index of chunks serves a version by its chunks.
+    served = {(key[0], key[1]) for key in set(ids.held) - ids.removed}
     live = want.live_places
     docs.index = {
         "missing": len(indexed - set(ids.held)),

@@ -22,7 +22,8 @@ from harness import HarnessError
 from pipeline.core.config import KafkaSettings
 
 DONE = re.compile(
-    r"done: (?P<records>\d+) records \((?P<rows>\d+) embedded, (?P<dead>\d+) dead-lettered\) "
+    r"done: (?P<records>\d+) records \((?P<rows>\d+) embedded(?: as (?P<chunks>\d+) chunks)?, "
+    r"(?P<dead>\d+) dead-lettered\) "
     r"in (?P<batches>\d+) batches, (?P<seconds>[\d.]+)s, (?P<rate>[\d,.]+) records/s"
 )
 FIRST = re.compile(r"first record polled (?P<s>[\d.]+)s after process start")

@@ -4,8 +4,10 @@ superseded or deleted must not be served).
 
 Every id in the shard files is compared with the (topic, partition, offset) of
 every Parquet row the index claims to cover (offsets up to its coverage): none
-missing, none extra, none twice. Reads the ids and the offset column, never the
-vectors, so it runs in seconds on millions of rows.
+missing, none extra, none twice; in an output of chunks, with each row's `chunk`
+too, so a record missing one chunk's vector is a missing row. Reads the ids and the
+offset (and chunk) columns, never the vectors, so it runs in seconds on millions of
+rows.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.chunks import CHUNK
 from pipeline.core.documents import DELETED
 from pipeline.core.errors import IndexStateError
 from pipeline.core.layout import TopicPartitionKey, iter_segments, segments_by_partition
 from sinks.index import metric as metrics
+from sinks.index.ids import IdLayout, row_chunks
 from sinks.index.shards import table_vectors
-from sinks.index.store import IndexMeta, IndexStore, encode_id
+from sinks.index.store import IndexMeta, IndexStore
 from sinks.index.trained import RECALL_QUERIES, ExactTopK, training_sample
 from sinks.segments import read_table, with_vectors
 
@@ -64,7 +68,7 @@ def check_index(output: Path, recall: bool = False, judged: Judged | None = None
     if meta is None:
         raise IndexStateError(f"no index in {store.directory}; run: pipeline index rebuild")
     unique, counts = np.unique(ids, return_counts=True)
-    expected, uncovered = _covered_row_ids(output, meta.topics, meta.covered, judged)
+    expected, uncovered = _covered_row_ids(output, meta, judged)
     return IndexReport(
         index_type=meta.index_type,
         vectors=len(ids),
@@ -93,43 +97,54 @@ def measure_recall(
     rng = np.random.default_rng(1)
     picked = sample[rng.choice(len(sample), min(queries, len(sample)), replace=False)]
     exact = ExactTopK(metrics.prepare(picked, meta.similarity), meta.metric)
+    layout = meta.layout
     for segment in segments:
-        table = read_table(segment, ["offset", "embedding"])
+        table = read_table(segment, ["offset", "embedding"], optional=[CHUNK])
         topic_no = meta.topics.get(segment.key.topic)
         if topic_no is None or not table.num_rows:
             continue
         offsets = table.column("offset").to_numpy().astype(np.int64)
         vectors = metrics.prepare(table_vectors(table), meta.similarity)
-        exact.add(vectors, encode_id(topic_no, segment.key.partition, 0) | offsets)
+        ids = layout.encode_many(topic_no, segment.key.partition, offsets, row_chunks(table))
+        exact.add(vectors, ids)
     store.load()
     found = store.search(picked, 10)
-    ids = [{encode_id(meta.topics[h.topic], h.partition, h.offset) for h in hits} for hits in found]
+    ids = [
+        {layout.encode(meta.topics[h.topic], h.partition, h.offset, h.chunk) for h in hits}
+        for hits in found
+    ]
     truth = exact.ids()
     return float(
         np.mean([len(set(t.tolist()) & f) / len(t) for t, f in zip(truth, ids, strict=True)])
     )
 
 
-def _covered_row_ids(
-    output: Path, topics: dict[str, int], covered: dict[str, int], view: Judged | None
-) -> tuple[np.ndarray, int]:
+def _covered_row_ids(output: Path, meta: IndexMeta, view: Judged | None) -> tuple[np.ndarray, int]:
+    """The ids of the rows the index covers (in its layout), and how many rows lie past
+    its coverage."""
     parts = [np.empty(0, dtype=np.int64)]
     uncovered = 0
     judged, live = view if view is not None else ({}, {})
+    layout: IdLayout = meta.layout
     for (topic, partition), segments in segments_by_partition(output).items():
-        through = covered.get(f"{topic}:{partition}", -1)
+        through = meta.covered.get(f"{topic}:{partition}", -1)
         for segment in segments:
             try:
-                table = read_table(segment, ["offset"], optional=[DELETED])
+                table = read_table(segment, ["offset"], optional=[DELETED, CHUNK])
             except (OSError, ValueError) as exc:
                 raise IndexStateError(f"cannot read {segment.where}: {exc}") from exc
-            offsets_np = table.column("offset").to_numpy().astype(np.int64)[with_vectors(table)]
+            kept = with_vectors(table)
+            offsets_np = table.column("offset").to_numpy().astype(np.int64)[kept]
+            chunks = row_chunks(table)[kept]
             if DELETED in table.column_names:  # upsert mode: what the view judged
                 seen = offsets_np <= judged.get((topic, partition), -1)
                 alive = np.isin(offsets_np, live.get((topic, partition), offsets_np[:0]))
-                offsets_np = offsets_np[~seen | alive]
-            inside = offsets_np[offsets_np <= through]
-            uncovered += len(offsets_np) - len(inside)
-            if len(inside):  # a covered partition's topic has a number
-                parts.append(encode_id(topics[topic], partition, 0) | inside)
+                offsets_np, chunks = offsets_np[~seen | alive], chunks[~seen | alive]
+            inside = offsets_np <= through
+            uncovered += len(offsets_np) - int(inside.sum())
+            if inside.any():  # a covered partition's topic has a number
+                topic_no = meta.topics[topic]
+                parts.append(
+                    layout.encode_many(topic_no, partition, offsets_np[inside], chunks[inside])
+                )
     return np.unique(np.concatenate(parts)), uncovered

@@ -45,6 +45,9 @@ from sinks.index.flat_files import (
     vector_bytes,
     write_flat_file,
 )
+from sinks.index.ids import IdLayout, id_layout
+from sinks.index.ids import decode_id as decode_id  # the plain layout's, as before
+from sinks.index.ids import encode_id as encode_id
 
 FLAT = "flat"
 IVF = "ivf"
@@ -83,6 +86,13 @@ class IndexMeta:
     similarity: str | None = None
     # Files of ids no longer served (upsert mode: sinks.index.removed).
     removed: list[Shard] = field(default_factory=list)
+    # The id layout (IdLayout): True for outputs of chunks (rows with a `chunk` column,
+    # several per offset), chosen when the index is made; absent (False): plain.
+    chunks: bool = False
+
+    @property
+    def layout(self) -> IdLayout:
+        return id_layout(self.chunks)
 
     @property
     def files(self) -> list[str]:
@@ -147,32 +157,8 @@ class IndexMeta:
             recall_at_10=None if recall is None else float(recall),
             similarity=similarity,
             removed=removed,
+            chunks=bool(data.get("chunks", False)),
         )
-
-
-# -- ids ------------------------------------------------------------------------------
-
-_TOPIC_SHIFT = 56
-_PARTITION_SHIFT = 40
-_MAX_TOPICS = 1 << 7
-_MAX_PARTITIONS = 1 << 16
-_OFFSET_MASK = (1 << _PARTITION_SHIFT) - 1
-
-
-def encode_id(topic_no: int, partition: int, offset: int) -> int:
-    if not (0 <= topic_no < _MAX_TOPICS and 0 <= partition < _MAX_PARTITIONS):
-        raise IndexStateError(f"topic #{topic_no} partition {partition} does not fit an index id")
-    if not 0 <= offset <= _OFFSET_MASK:
-        raise IndexStateError(f"offset {offset} does not fit an index id")
-    return (topic_no << _TOPIC_SHIFT) | (partition << _PARTITION_SHIFT) | offset
-
-
-def decode_id(vector_id: int) -> tuple[int, int, int]:
-    return (
-        vector_id >> _TOPIC_SHIFT,
-        (vector_id >> _PARTITION_SHIFT) & (_MAX_PARTITIONS - 1),
-        vector_id & _OFFSET_MASK,
-    )
 
 
 # -- shard files ---------------------------------------------------------------------

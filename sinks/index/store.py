@@ -13,9 +13,12 @@ A sync writes the new vectors as new shard files and never loads the index (see
 sinks.index.shards): a worker's index upkeep costs what its new vectors cost,
 however large the corpus. Readers add the shards up when they load.
 
-Each vector's id is derived from its record, so the same record can never get
-two entries:  id = topic_no << 56 | partition << 40 | offset, with topic_no a
-small number per topic fixed in `index.json`.
+Each vector's id is derived from its row, so the same row can never get two
+entries:  id = topic_no << 56 | partition << 40 | offset, with topic_no a small
+number per topic fixed in `index.json`. An output of chunks (several rows per
+offset, a `chunk` column) gets the chunked layout, topic_no << 56 | partition << 44
+| offset << 8 | chunk, chosen when the index is made from its first segment and
+recorded in `index.json` as `chunks` (sinks.index.ids.IdLayout).
 
 Sync, rebuild and load take an exclusive lock on `index/.lock`, so several
 workers on one output directory take turns and a reader never meets a shard
@@ -49,6 +52,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from pipeline.core.chunks import CHUNK
 from pipeline.core.documents import DELETED
 from pipeline.core.errors import IndexStateError, OutputError
 from pipeline.core.layout import (
@@ -63,6 +67,7 @@ from pipeline.core.retry import retry
 from sinks.index import metric as metrics
 from sinks.index.files import index_files
 from sinks.index.flat_files import faiss_flat, flat_file_bytes, merge_flat_files
+from sinks.index.ids import ChunksInPlainIndex, IdLayout, decode_id, encode_id, row_chunks
 from sinks.index.removed import Removals
 from sinks.index.shards import (
     FLAT,
@@ -75,8 +80,6 @@ from sinks.index.shards import (
     VectorSink,
     cap_vectors,
     contents,
-    decode_id,
-    encode_id,
     ids_of,
     next_merge,
     read_index_file,
@@ -86,13 +89,24 @@ from sinks.index.shards import (
 from sinks.index.trained import TrainedBuilder, trained_builder
 from sinks.segments import DamagedSegment, read_rows, read_schema, segments_past, with_vectors
 
-__all__ = ["INDEX_TYPES", "Hit", "IndexMeta", "IndexStore", "SyncStats", "decode_id", "encode_id"]
+__all__ = [
+    "INDEX_TYPES",
+    "Hit",
+    "IdLayout",
+    "IndexMeta",
+    "IndexStore",
+    "SyncStats",
+    "decode_id",
+    "encode_id",
+]
 
 log = logging.getLogger(__name__)
 
 # Commits a sync may lose in a row to other writers before it gives up (object stores);
 # the backoff grows, so a loaded machine with several writers still gets through.
 _COMMIT_ATTEMPTS = 20
+# The largest k FAISS's GPU indexes search for (GPU_MAX_SELECTION_K).
+_GPU_MAX_K = 2048
 
 
 def _commit_pause(tries: int) -> float:  # random: writers that lost together part
@@ -112,6 +126,12 @@ class Hit:
     topic: str
     partition: int
     offset: int
+    chunk: int = 0  # the row of the offset, in an output of chunks (0 otherwise)
+
+    @property
+    def place(self) -> tuple[str, int, int]:
+        """The record: (topic, partition, offset)."""
+        return self.topic, self.partition, self.offset
 
 
 class IndexStore(Removals):
@@ -139,6 +159,7 @@ class IndexStore(Removals):
         self.index_type = index_type
         self.shard_cap = shard_cap  # vectors per shard; None: from SHARD_CAP_BYTES
         self._index: Any = None  # loaded for search only; a sync never loads it
+        self._gpu_copy: tuple[Any, Any] | None = None  # (the loaded index, its GPU copy)
         self._meta: IndexMeta | None = None
         self.damaged: list[DamagedSegment] = []  # skipped by the last sync or rebuild
         self.last_sync = SyncStats()
@@ -147,6 +168,7 @@ class IndexStore(Removals):
         self.similarity = metrics.checked(similarity, "--similarity")
         self._new_similarity: str | None = None  # what a new index searches by, once known
         self._new_resolved = False
+        self._new_chunks = False  # a rebuild's new index: chunked whatever its first segment
 
     @property
     def meta(self) -> IndexMeta | None:
@@ -215,33 +237,46 @@ class IndexStore(Removals):
             except IndexStateError:
                 previous = None
             self._carried_topics = dict(previous.topics) if previous else {}
-            carried_removed = list(previous.removed) if previous else []
             names = FileNames((previous.generation if previous else 0) + 1, self._tag)
-            self._index, self._meta, self.damaged = None, None, []
-            self._new_resolved = False
-            similarity = self._similarity_for_new()
-            metrics.check_index_type(self.index_type, similarity)
-            shared = (self.directory, names, stats)
-            # A flat rebuild writes one file, as readers load one file fastest:
-            # like them, it holds the whole index in memory (a worker never does).
-            cap, metric = self.shard_cap or sys.maxsize, metrics.faiss_metric(similarity)
-            sink: VectorSink = (
-                FlatShardWriter(self.directory, names, cap, stats, metric)
-                if self.index_type == FLAT
-                else trained_builder(
-                    self.index_type, list(iter_segments(self.output)), *shared, similarity
-                )
+            chunks = previous.chunks if previous else False
+            try:
+                meta = self._build(names, stats, chunks)
+            except ChunksInPlainIndex:
+                # Rows of chunks past a first segment without them: the index is made
+                # chunked (the files already written go with the commit's tidy-up).
+                stats.shards_written = stats.bytes_written = 0
+                meta = self._build(names, stats, True)
+            if previous is not None:  # removed versions stay removed
+                meta.removed = self.carried_removals(previous, meta, names, stats)
+            self._commit(meta, names.generation, stats)
+
+    def _build(self, names: FileNames, stats: SyncStats, chunks: bool) -> IndexMeta:
+        """A new index of every Parquet file, its files written, not committed; chunked
+        where `chunks` or the first segment holds chunks."""
+        self._index, self._meta, self.damaged = None, None, []
+        self._new_resolved, self._new_chunks = False, chunks
+        similarity = self._similarity_for_new()
+        metrics.check_index_type(self.index_type, similarity)
+        shared = (self.directory, names, stats)
+        # A flat rebuild writes one file, as readers load one file fastest:
+        # like them, it holds the whole index in memory (a worker never does).
+        cap, metric = self.shard_cap or sys.maxsize, metrics.faiss_metric(similarity)
+        sink: VectorSink = (
+            FlatShardWriter(self.directory, names, cap, stats, metric)
+            if self.index_type == FLAT
+            else trained_builder(
+                self.index_type, list(iter_segments(self.output)), *shared, similarity
             )
-            stats.added = self._add_new_segments(sink, self.index_type)
-            if self._meta is None:
-                raise IndexStateError(
-                    f"no Parquet files under {describe(self.output)}/vectors to index"
-                )
-            self._meta.shards = sink.finish()
-            self._meta.removed = carried_removed  # removed versions stay removed
-            if isinstance(sink, TrainedBuilder):
-                self._meta.recall_at_10 = sink.recall_at_10()
-            self._commit(self._meta, names.generation, stats)
+        )
+        stats.added = self._add_new_segments(sink, self.index_type)
+        if self._meta is None:
+            raise IndexStateError(
+                f"no Parquet files under {describe(self.output)}/vectors to index"
+            )
+        self._meta.shards = sink.finish()
+        if isinstance(sink, TrainedBuilder):
+            self._meta.recall_at_10 = sink.recall_at_10()
+        return self._meta
 
     def _merge_cap(self, dim: int) -> int:
         return self.shard_cap if self.shard_cap is not None else cap_vectors(dim)
@@ -268,8 +303,9 @@ class IndexStore(Removals):
         return pending
 
     def _add_segment(self, segment: SegmentFile, sink: VectorSink, index_type: str) -> int:
-        table, info = read_rows(segment, ["offset", "embedding"], optional=[DELETED])
-        meta = self._ensure(_list_size(table), segment, index_type)
+        table, info = read_rows(segment, ["offset", "embedding"], optional=[DELETED, CHUNK])
+        chunked = CHUNK in table.column_names
+        meta = self._ensure(_list_size(table), segment, index_type, chunked)
         key = _key(*segment.key.partition_key)
         through = meta.covered.get(key, -1)
         offsets = table.column("offset").to_numpy().astype(np.int64)
@@ -277,8 +313,10 @@ class IndexStore(Removals):
         vectors = table_vectors(table)[fresh] if len(offsets) else table_vectors(table)
         vectors = metrics.prepare(vectors, meta.similarity)
         if len(vectors):
-            base = encode_id(meta.topic_no(segment.key.topic), segment.key.partition, 0)
-            sink.add(vectors, base | offsets[fresh])
+            chunks = row_chunks(table)[fresh] if chunked else None
+            topic_no = meta.topic_no(segment.key.topic)
+            ids = meta.layout.encode_many(topic_no, segment.key.partition, offsets[fresh], chunks)
+            sink.add(vectors, ids)
             meta.entries[key] = meta.entries.get(key, 0) + len(vectors)
         meta.covered[key] = max(through, info.last)
         return len(vectors)
@@ -294,7 +332,11 @@ class IndexStore(Removals):
                 damaged.reason,
             )
 
-    def _ensure(self, dim: int | None, segment: SegmentFile, index_type: str) -> IndexMeta:
+    def _ensure(
+        self, dim: int | None, segment: SegmentFile, index_type: str, chunked: bool = False
+    ) -> IndexMeta:
+        """The index's metadata; made from `segment` (the first one) if there is none
+        yet: chunked ids where that segment holds chunks (`chunked`), or a rebuild asks."""
         if self._meta is None:
             schema = read_schema(segment)
             self._meta = IndexMeta(
@@ -303,6 +345,7 @@ class IndexStore(Removals):
                 topics=dict(self._carried_topics),
                 model=_model_meta(schema.metadata),
                 similarity=self._similarity_for_new(),
+                chunks=chunked or self._new_chunks,
             )
         elif dim is not None and dim != self._meta.dim:
             raise IndexStateError(
@@ -501,27 +544,36 @@ class IndexStore(Removals):
         similarity = self._meta.similarity
         if similarity is metrics.LEGACY:
             similarity = legacy_as
-        index = self._search_index()
+        index = self._search_index(k)
         found, ids = index.search(metrics.prepare(queries, similarity), k)
         scores = metrics.scores(found, similarity)
         topics = {no: name for name, no in self._meta.topics.items()}
+        layout = self._meta.layout
         results: list[list[Hit]] = []
         for row_scores, row_ids in zip(scores, ids, strict=True):
             hits = []
             for score, vector_id in zip(row_scores, row_ids, strict=True):
                 if vector_id < 0:
                     continue
-                topic_no, partition, offset = decode_id(int(vector_id))
-                hits.append(Hit(float(score), topics[topic_no], partition, offset))
+                topic_no, partition, offset, chunk = layout.decode(int(vector_id))
+                hits.append(Hit(float(score), topics[topic_no], partition, offset, chunk))
             results.append(hits)
         return results
 
-    def _search_index(self) -> Any:
+    def _search_index(self, k: int) -> Any:
+        """The loaded index, copied to the GPUs once where asked and able (FAISS's GPU
+        search takes k up to _GPU_MAX_K: past it, a search, as a chunked output's
+        search for k documents may need, runs on the CPU)."""
         import faiss
 
-        if self.use_gpu and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        if not self.use_gpu or k > _GPU_MAX_K:
+            return self._index
+        if self._gpu_copy is not None and self._gpu_copy[0] is self._index:
+            return self._gpu_copy[1]
+        if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
             try:
-                return faiss.index_cpu_to_all_gpus(self._index)
+                self._gpu_copy = (self._index, faiss.index_cpu_to_all_gpus(self._index))
+                return self._gpu_copy[1]
             except RuntimeError as exc:  # a metric this faiss has no GPU kernel for (L1 IVF)
                 log.info("index: searching on the CPU (%s)", str(exc).splitlines()[0])
         return self._index
