@@ -46,6 +46,9 @@ class MicroBatch:
     # Upsert mode's tombstones (pipeline.core.documents): rows, never embedded.
     deleted: list[Deletion] = field(default_factory=list)
     token_ids: list[TokenIds] = field(default_factory=list)
+    # Records, good, bad and deleted: a chunked record's rows count once, so that a
+    # poll closes no more batches with chunks than without (--batch-size is records).
+    records: int = 0
     tokens: int = 0
     value_bytes: int = 0  # of the records' values, good and bad
     # (topic, partition) -> [first offset, last offset] covered by this batch
@@ -85,6 +88,7 @@ class MicroBatch:
             bad=bad,
             deleted=deleted,
             token_ids=[self.token_ids[i] for i in keep],
+            records=sum(1 for g in good if _size_counted(g)) + len(bad) + len(deleted),
             tokens=sum(len(self.token_ids[i]) for i in keep),
             value_bytes=sum(map(_size, good)) + sum(map(_size, bad)),  # a deletion has none
             ranges={k: v for k, v in self.ranges.items() if k not in dropped},
@@ -101,10 +105,15 @@ def _key(record: Keyed) -> TopicPartitionKey:
     return (record.source.topic, record.source.partition)
 
 
-def _size(record: Keyed) -> int:
-    """A record's value bytes, counted at its first row (a chunked record has several)."""
+def _size_counted(record: Keyed) -> bool:
+    """Whether this row is a record's first (a chunked record has several)."""
     span = getattr(record, "span", None)
-    return 0 if span is not None and span.chunk > 0 else len(record.source.value or b"")
+    return span is None or span.chunk == 0
+
+
+def _size(record: Keyed) -> int:
+    """A record's value bytes, counted at its first row."""
+    return len(record.source.value or b"") if _size_counted(record) else 0
 
 
 class Batcher:
@@ -182,7 +191,7 @@ class Batcher:
         batch = self._ensure_open()
         max_records, max_tokens = self.max_records, self.max_tokens
         max_bytes = self.max_bytes if self.max_bytes is not None else float("inf")
-        count, tokens, value_bytes = len(batch), batch.tokens, batch.value_bytes
+        count, tokens, value_bytes = batch.records, batch.tokens, batch.value_bytes
         good, bad, token_ids = batch.good, batch.bad, batch.token_ids
         deleted = batch.deleted
         run: list = [None, -1, 0, 0]  # topic, partition, first and last offset of a run
@@ -211,7 +220,7 @@ class Batcher:
                 deleted.append(record)
             else:
                 bad.append(record)  # type: ignore[arg-type]
-            count += 1
+            count += not within
             value_bytes += size
             index += 1
             offset = source.offset
@@ -231,7 +240,7 @@ class Batcher:
             if reason is not None:
                 break
         self._cover_run(batch, run, epoch_of)
-        batch.tokens, batch.value_bytes = tokens, value_bytes
+        batch.records, batch.tokens, batch.value_bytes = count, tokens, value_bytes
         return index, reason
 
     def _cover_run(

@@ -384,10 +384,10 @@ class Worker:
                 batch.start_notes[key] = note
         self.in_flight.started(batch.number, batch.ranges)
         reason = batch.closed_by.value if batch.closed_by else "unknown"
-        log.debug("batch %d: closed (%s) with %d records", batch.number, reason, len(batch))
+        log.debug("batch %d: closed (%s) with %d records", batch.number, reason, batch.records)
         self.metrics.batches_closed.labels(reason).inc()
         self.metrics.in_flight.set(len(self.in_flight))
-        self.metrics.batch_records.observe(len(batch))
+        self.metrics.batch_records.observe(batch.records)
         while True:
             try:
                 self._embed_q.put(batch, timeout=0.1)

@@ -266,3 +266,18 @@ def test_the_chunking_setting_reaches_the_config() -> None:
     config = WorkerConfig.of(("t",), "g", Path("/tmp/out"), chunk_tokens=128, chunk_overlap=16)
     assert config.chunking == Chunking(128, 16, 128, "dead-letter")
     assert WorkerConfig.of(("t",), "g", Path("/tmp/out")).chunking is None
+
+
+def test_the_record_bound_counts_records_not_chunks() -> None:
+    """A poll of chunked records closes no more batches than one of whole records: the
+    poll loop hands every batch a poll closes to a queue of bounded room."""
+    rows = []
+    for offset in range(8):
+        source = SourceRecord("t", 0, offset, 0, None, b"{}")
+        for chunk in range(10):
+            span = Span(chunk, 10, chunk * 10, chunk * 10 + 10)
+            rows.append((GoodRecord(source, "chunk", None, None, span), [1, 2, 3]))
+    batcher = Batcher(4, 10_000, 1.0)
+    closed = batcher.add(rows, lambda key: 0)
+    assert [b.records for b in closed] == [4, 4]
+    assert [len(b.good) for b in closed] == [40, 40]
