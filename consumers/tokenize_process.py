@@ -207,7 +207,10 @@ class TokenizerProcess:
         return message
 
     def _gone(self) -> PipelineError:
-        code = self._child.poll()
+        try:  # its end of the socket closes a moment before it can be reaped
+            code = self._child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
         how = "stopped answering" if code is None else f"exited with code {code}"
         return PipelineError(
             f"the tokenizer process {how}; restart the worker "
