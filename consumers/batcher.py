@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.core.chunks import later_chunk
 from pipeline.core.documents import Deletion, Keyed
 from pipeline.core.records import BadRecord, GoodRecord
 from pipeline.model.embedder import TokenIds, Tokenized
@@ -88,7 +89,7 @@ class MicroBatch:
             bad=bad,
             deleted=deleted,
             token_ids=[self.token_ids[i] for i in keep],
-            records=sum(1 for g in good if _size_counted(g)) + len(bad) + len(deleted),
+            records=sum(not later_chunk(g) for g in good) + len(bad) + len(deleted),
             tokens=sum(len(self.token_ids[i]) for i in keep),
             value_bytes=sum(map(_size, good)) + sum(map(_size, bad)),  # a deletion has none
             ranges={k: v for k, v in self.ranges.items() if k not in dropped},
@@ -105,15 +106,9 @@ def _key(record: Keyed) -> TopicPartitionKey:
     return (record.source.topic, record.source.partition)
 
 
-def _size_counted(record: Keyed) -> bool:
-    """Whether this row is a record's first (a chunked record has several)."""
-    span = getattr(record, "span", None)
-    return span is None or span.chunk == 0
-
-
 def _size(record: Keyed) -> int:
-    """A record's value bytes, counted at its first row."""
-    return len(record.source.value or b"") if _size_counted(record) else 0
+    """A record's value bytes, counted at its first row (a chunked record has several)."""
+    return 0 if later_chunk(record) else len(record.source.value or b"")
 
 
 class Batcher:
@@ -203,7 +198,7 @@ class Batcher:
             source = record.source
             span = getattr(record, "span", None)
             # A record's chunks are one: they close a batch together, never apart.
-            within = span is not None and span.chunk > 0
+            within = later_chunk(record)
             size = 0 if within else len(source.value or b"")
             if count and not within:
                 if good and tokens + n_tokens > max_tokens:

@@ -28,6 +28,7 @@ from consumers.committer import PublishedBatch
 from consumers.dead_letters import DeadLetterLedger, Plan
 from consumers.partitions import InFlight, Ownership
 from pipeline.core import failpoints
+from pipeline.core.chunks import later_chunk
 from pipeline.core.config import WorkerConfig
 from pipeline.core.documents import Deletion, Keyed
 from pipeline.core.errors import PipelineError
@@ -247,7 +248,7 @@ class WriteStage(Stage):
             )
         rows = sum(f.rows for f in staged if f.key.partition_key in publish)
         dead = sum(1 for b in batch.bad if _key(b) in publish)
-        chunks = [g for g in batch.good if g.span is not None and g.span.chunk > 0]
+        chunks = [g for g in batch.good if later_chunk(g)]
         return PublishedBatch(
             number=batch.number,
             next_offsets={key: batch.ranges[key][1] + 1 for key in publish},
@@ -363,7 +364,7 @@ class WriteStage(Stage):
 
 def _records(rows: list[GoodRecord]) -> int:
     """The records `rows` are of: a chunked record's chunks count once."""
-    return sum(1 for row in rows if row.span is None or row.span.chunk == 0)
+    return sum(not later_chunk(row) for row in rows)
 
 
 # A record's (topic, partition); an attrgetter, so that map() needs no Python call.

@@ -49,6 +49,13 @@ class Span(NamedTuple):
     truncated: bool = False
 
 
+def later_chunk(row: object) -> bool:
+    """Whether `row` (a record as the worker holds it: good, bad or deleted) is a
+    chunked record's second chunk or later: its record is counted at its first."""
+    span = getattr(row, "span", None)
+    return span is not None and span.chunk > 0
+
+
 @dataclass(frozen=True)
 class Chunking:
     """How records are cut: windows of `tokens` text tokens, `overlap` of them shared

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pipeline.core.chunks import later_chunk
 from pipeline.core.records import STAGE_VALIDATE, BadRecord, GoodRecord, Source
 
 T = TypeVar("T")
@@ -131,10 +132,5 @@ def paired(
     return [
         (k, t if isinstance(k, GoodRecord) else None)
         for p, k, t in zip(parsed, keyed, tokens, strict=True)
-        if isinstance(k, GoodRecord) or not _later_chunk(p)  # a bad record is one, not a chunk
+        if isinstance(k, GoodRecord) or not later_chunk(p)  # a bad record is one, not a chunk
     ]
-
-
-def _later_chunk(record: GoodRecord | BadRecord) -> bool:
-    span = getattr(record, "span", None)
-    return span is not None and span.chunk > 0
