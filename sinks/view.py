@@ -12,22 +12,30 @@ did not land.
 An apply looks up the live versions of the documents its rows name, lets
 sinks.view_plan decide which version of each wins (the highest offset within a
 partition; across partitions, the later record timestamp, then the larger topic and
-partition), and commits one `merge_insert` on (document, offset): the live rows
-replaced or deleted match and go, the new versions match nothing and come in. Its
-cost is that of the changes and of the key lookups (a BTREE index on `doc_key`),
-not of the table: Lance writes deletion files and new fragments, where a
+partition), and commits one `merge_insert` on (document, topic, partition, offset):
+the live rows replaced or deleted match and go, the new versions match nothing and
+come in. Its cost is that of the changes and of the key lookups (a BTREE index on
+`doc_key`), not of the table: Lance writes deletion files and new fragments, where a
 copy-on-write format rewrites every file a change touches (the measurement:
 docs/documents.md).
 
 Lance was chosen over Delta Lake by that measurement; readers: pylance, Polars and
 DuckDB through `lance.dataset(...)` (an Arrow dataset), Spark through lance-spark.
 
+A deleted document leaves no row here, so the view keeps, beside it, a table of
+what it must not forget of keys (sinks.view_keys): each deleted key's latest
+tombstone, which a version from another partition must be newer than to bring the
+key back, whatever the order in which partitions are applied. An apply writes it
+first; its commit then names the version of that table it wrote, with the
+positions, so that a commit that did not land leaves nothing learned behind.
+
 In a chunked output (`pipeline run --chunk-tokens N`) a version of a document is
 a row per chunk: the view holds every chunk row of each live version, and merges on
-(document, offset, chunk). An apply reads whole records (never a part of one), an
-update deletes every live row of the version it replaces and inserts every row of
-the new one, whatever their number of chunks, and a delete removes them all: still
-one commit. The index stops serving every chunk of a superseded version.
+(document, topic, partition, offset, chunk). An apply reads whole records (never a
+part of one), an update deletes every live row of the version it replaces and
+inserts every row of the new one, whatever their number of chunks, and a delete
+removes them all: still one commit. The index stops serving every chunk of a
+superseded version.
 
 Appliers take turns (sinks.view_lock): a lock file beside the table on a local
 output, a lease on an object store; so do the purge's rewrites (`maintain`).
@@ -55,7 +63,8 @@ from pipeline.core.errors import OutputError
 from pipeline.core.layout import Output, TopicPartitionKey, segments_by_partition
 from sinks.index.store import IndexStore
 from sinks.segments import DamagedSegment, read_rows, segments_past
-from sinks.view_lock import LEASE_S, LocalLock, StoreLease
+from sinks.view_keys import KEY_INDEX, KeyMemory, by_keys, index_keys, literal
+from sinks.view_lock import LEASE_S, LeaseLost, LocalLock, StoreLease, commit
 from sinks.view_plan import CHUNKS, ORDER, plan
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,8 @@ LOCK_NAME = ".current.lock"
 POSITIONS = "pipeline.positions"
 CROSS_PARTITION = "pipeline.cross_partition_keys"
 CROSS_PARTITION_EXAMPLE = "pipeline.cross_partition_example"
+# The version of the view's key table (sinks.view_keys) that the commit's state holds.
+KEYS_VERSION = "pipeline.keys_version"
 # The view's columns, in order (the segment's, less the deletion flag).
 COLUMNS = [
     DOC_KEY, "id", "key", "text", "embedding", "topic", "partition", "offset",
@@ -74,15 +85,11 @@ COLUMNS = [
 # Columns the view keeps after those when the segments have them: a chunked output's
 # chunk span, and what the model's length cut (pipeline.core.chunks).
 OPTIONAL_COLUMNS = [CHUNK, CHUNK_COUNT, CHAR_START, CHAR_END, TRUNCATED, TOKENS]
-_LOOKUP_KEYS = 4096  # keys per lookup of live versions (one IN list each)
 # Rows read into one apply, at most: bounds its memory.
 MAX_APPLY_ROWS = 200_000
 # And at most this many bytes of them: the merge joins them in Lance's memory pool
 # (300 MB by default), which a larger source overran.
 MAX_APPLY_BYTES = 48 << 20
-KEY_INDEX = f"{DOC_KEY}_idx"  # a BTREE over the document keys: merges find rows by it
-# Rows the doc_key index may leave uncovered before an apply brings it up to date.
-UNINDEXED_ROWS = 20_000
 # Versions of the view kept readable by a worker's upkeep (a purge keeps none by default).
 RETENTION_S = 3600.0
 
@@ -92,21 +99,36 @@ class ViewState:
     """What each applying commit records in its transaction properties."""
 
     positions: dict[str, int]  # "topic:partition" -> last offset applied
-    cross_partition: int = 0  # document keys seen in more than one partition, so far
-    cross_partition_example: str | None = None
+    cross_partition: int = 0  # distinct document keys seen in more than one partition
+    cross_partition_example: str | None = None  # the first of them
+    keys_version: int | None = None  # of the key table (sinks.view_keys); None: none yet
 
     @classmethod
     def of(cls, properties: dict[str, str]) -> ViewState:
         positions = {k: int(v) for k, v in json.loads(properties[POSITIONS]).items()}
         seen = int(properties.get(CROSS_PARTITION, "0"))
-        return cls(positions, seen, properties.get(CROSS_PARTITION_EXAMPLE))
+        keys = properties.get(KEYS_VERSION)
+        return cls(
+            positions,
+            seen,
+            properties.get(CROSS_PARTITION_EXAMPLE) or None,
+            int(keys) if keys else None,
+        )
 
     def properties(self) -> dict[str, str]:
         found = {POSITIONS: json.dumps(self.positions, sort_keys=True)}
         if self.cross_partition:
             found[CROSS_PARTITION] = str(self.cross_partition)
             found[CROSS_PARTITION_EXAMPLE] = self.cross_partition_example or ""
+        if self.keys_version is not None:
+            found[KEYS_VERSION] = str(self.keys_version)
         return found
+
+    def count_cross_partition(self, keys: Sequence[str]) -> None:
+        """Counts keys seen in more than one partition for the first time."""
+        self.cross_partition += len(keys)
+        if keys and self.cross_partition_example is None:
+            self.cross_partition_example = keys[0]
 
 
 @dataclass
@@ -147,6 +169,7 @@ class ViewStore:
         """`index`: the index that stops serving the versions an apply supersedes."""
         self.output = output
         self.index = index
+        self.keys = KeyMemory(output)  # what the view remembers of deleted keys
         if isinstance(output, Path):
             self.uri, self.options = str(view_path(output)), None
             self.lock: LocalLock | StoreLease = LocalLock(output / LOCK_NAME)
@@ -200,7 +223,7 @@ class ViewStore:
         for topic, partition, offset in where:
             grouped.setdefault((topic, partition), []).append(offset)
         predicate = " OR ".join(
-            f"(topic = {_literal(t)} AND partition = {p} AND offset IN ({', '.join(map(str, o))}))"
+            f"(topic = {literal(t)} AND partition = {p} AND offset IN ({', '.join(map(str, o))}))"
             for (t, p), o in grouped.items()
         )
         return dataset.to_table(columns=list(columns), filter=predicate)
@@ -239,17 +262,21 @@ class ViewStore:
                 materialize_deletions=True, materialize_deletions_threshold=0.0 if erase else 0.1
             )
             self.dataset().optimize.optimize_indices()
-            # The newest version must name the positions: older ones may go below.
+            # The newest version must name the positions and the key table's compacted
+            # version: older ones may go below.
             dataset = self.dataset()
-            properties = self.state(dataset).properties()
+            state = self.state(dataset)
+            state.keys_version = self.keys.compact(state.keys_version, self.lock)
+            properties = state.properties()
             empty = dataset.schema.empty_table()
             builder = dataset.merge_insert(DOC_KEY).when_not_matched_insert_all()
             transaction, _ = builder.execute_uncommitted(empty)
             properties_only = dataclasses.replace(transaction, transaction_properties=properties)
-            _commit(dataset, properties_only, self.lock)
+            commit(dataset, properties_only, self.lock)
             self.dataset().cleanup_old_versions(
                 older_than=timedelta(seconds=retention_s), delete_unverified=erase
             )
+            self.keys.cleanup(retention_s)
         return True
 
     def close(self) -> None:
@@ -268,7 +295,7 @@ class ViewStore:
             while held and self.lock.renew():
                 try:
                     stats = self._apply_once()
-                except _LeaseLost:
+                except LeaseLost:
                     log.warning("view: the lease ran out during an apply; it is dropped")
                     break
                 total.applied_rows += stats.applied_rows
@@ -288,14 +315,19 @@ class ViewStore:
         if not moved:
             return ViewStats()
         keys = rows.column(DOC_KEY).unique().to_pylist() if rows.num_rows else []
-        change = plan(rows, self._live_versions(dataset, keys))
+        memory = self.keys.settle(state.keys_version, self.lock)
+        known = self.keys.lookup(memory, keys)
+        change = plan(rows, self._live_versions(dataset, keys), known.tombstones, known.flagged)
         if self.index is not None:  # before the commit: a removal is never wrong early
             # Chunked: every chunk 0..chunk_count-1 of each version (sinks.index.removed).
             self.index.remove(change.removed, change.removed_counts)
         state.positions.update(moved)
-        state.cross_partition += len(change.cross_partition)
+        # Phase one: what the apply learned of its keys, in the version the commit names.
+        state.keys_version = self.keys.learn(
+            memory, known, change.tombstones, change.cross_partition, self.lock
+        )
+        state.count_cross_partition(change.cross_partition)
         if change.cross_partition:
-            state.cross_partition_example = change.cross_partition[0]
             log.warning(
                 "view: %d document key(s) seen in more than one partition (%r first); the "
                 "later record timestamp wins (docs/documents.md: ordering)",
@@ -306,7 +338,7 @@ class ViewStore:
             self._create(upserts, state.properties())
             return ViewStats(rows.num_rows, change.documents, 0, 1)
         upserts = change.upserts.select(dataset.schema.names)
-        # One merge on (document, offset), and chunk in a chunked view: the live rows
+        # One merge on (document, place), and chunk in a chunked view: the live rows
         # replaced or deleted match exactly and go; the new versions match nothing and
         # come in. Both are found by the key index, where a "delete what the source
         # lacks" clause scans the whole table (2.4 s against 0.2 s for 5,000 changes at
@@ -324,22 +356,9 @@ class ViewStore:
                 f"{replaced.num_rows} replaced and {upserts.num_rows} new rows): nothing applied"
             )
         transaction = dataclasses.replace(transaction, transaction_properties=state.properties())
-        _commit(dataset, transaction, self.lock)
-        self._index_new_rows()
+        commit(dataset, transaction, self.lock)
+        index_keys(self.dataset())  # the rows it inserted, once they are many
         return ViewStats(rows.num_rows, change.documents, len(change.gone), 1)
-
-    def _index_new_rows(self) -> None:
-        """Adds the rows that applies inserted to the key index once they are many: a
-        merge reads the rows the index does not cover, which would grow with the table
-        (a 5,000-row merge: 2.7 s over 970k unindexed rows of 1M, 0.2 s indexed)."""
-        dataset = self.dataset()
-        if KEY_INDEX not in {i.name for i in dataset.describe_indices()}:
-            # A worker killed between creating the table and its index.
-            dataset.create_scalar_index(DOC_KEY, "BTREE", name=KEY_INDEX)
-            return
-        stats = dataset.stats.index_stats(KEY_INDEX)
-        if stats.get("num_unindexed_rows", 0) >= UNINDEXED_ROWS:
-            dataset.optimize.optimize_indices()
 
     def _create(self, upserts: pa.Table, properties: dict[str, str]) -> None:
         import lance
@@ -357,9 +376,7 @@ class ViewStore:
         chunked = CHUNK in dataset.schema.names
         columns = [DOC_KEY, *ORDER, *([CHUNK, CHUNK_COUNT] if chunked else [])]
         found: dict[str, dict[str, Any]] = {}
-        for start in range(0, len(keys), _LOOKUP_KEYS):
-            some = ", ".join(map(_literal, keys[start : start + _LOOKUP_KEYS]))
-            table = dataset.to_table(columns=columns, filter=f"{DOC_KEY} IN ({some})")
+        for table in by_keys(dataset, keys, columns):
             for row in table.to_pylist():
                 if not chunked:
                     found[row[DOC_KEY]] = row
@@ -422,8 +439,11 @@ def _optional(names: Sequence[str]) -> list[str]:
 
 def _merge_keys(schema: pa.Schema) -> list[str]:
     """What identifies a row of the view: its document and version, and its chunk in a
-    chunked view (a version's rows differ by chunk only)."""
-    return [DOC_KEY, "offset", *([CHUNK] if CHUNK in schema.names else [])]
+    chunked view (a version's rows differ by chunk only). A version is its (topic,
+    partition, offset): each partition counts offsets from 0, so a document's versions
+    in two partitions often share an offset (a merge on the offset alone matched one
+    live row with two source rows, which Lance refuses)."""
+    return [DOC_KEY, "topic", "partition", "offset", *([CHUNK] if CHUNK in schema.names else [])]
 
 
 def _record_end(offsets: np.ndarray, room: int) -> int:
@@ -471,20 +491,3 @@ def _rows_within(table: pa.Table, budget: int) -> int:
     if table.nbytes <= budget or not table.num_rows:
         return table.num_rows
     return max(1, int(table.num_rows * max(budget, 0) / table.nbytes))
-
-
-def _literal(text: str) -> str:
-    """`text` as an SQL string literal."""
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _commit(dataset: Any, transaction: Any, lock: LocalLock | StoreLease) -> None:
-    import lance
-
-    if not lock.valid():  # a worker stalled past its lease: another may be applying
-        raise _LeaseLost
-    lance.LanceDataset.commit(dataset, transaction, read_version=dataset.version)
-
-
-class _LeaseLost(Exception):
-    """The view's lease expired before a commit: the apply is dropped (and redone)."""

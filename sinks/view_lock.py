@@ -136,3 +136,18 @@ class StoreLease:
 
 def _key(epoch: int) -> str:
     return f"{LEASE_PREFIX}{epoch:012d}"
+
+
+class LeaseLost(Exception):
+    """The view's lease expired before a commit: the apply is dropped (and redone)."""
+
+
+def commit(dataset: Any, transaction: Any, lock: LocalLock | StoreLease) -> None:
+    """Commits `transaction` on the Lance `dataset` it was built from, if this process
+    still holds the view (a worker stalled past its lease: another may be applying);
+    a commit that landed meanwhile is a conflict, not overwritten."""
+    import lance
+
+    if not lock.valid():
+        raise LeaseLost
+    lance.LanceDataset.commit(dataset, transaction, read_version=dataset.version)

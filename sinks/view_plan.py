@@ -4,8 +4,14 @@ name. Pure: no table is read or written here.
 
 The latest version of a document: the highest offset within a partition; across
 partitions (producers that do not key by document), the later record timestamp,
-then the larger topic, then the larger partition (`newer`). Every version that is
-not the latest stops being served by the index (`Plan.removed`).
+then the larger topic, then the larger partition (`newer`). A tombstone is a version
+too: a document is live when its latest version, over every version applied so far,
+is not a tombstone. So that holds whatever the order in which partitions reach the
+view, each document's latest tombstone is remembered (sinks.view_keys), and a
+version not newer than it stays deleted: without it, a tombstone that deleted a key
+left no trace, and an older version from another partition applied later came back.
+Every version that is not the latest stops being served by the index
+(`Plan.removed`).
 
 A version is a record: in a chunked output (`pipeline run --chunk-tokens N`) the
 rows of one (topic, partition, offset), one per chunk. A winning version brings
@@ -15,7 +21,7 @@ of chunks of either.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +60,10 @@ class Plan:
     removed_counts: list[int] | None = None
     # The live rows that go (one per chunk row of a replaced chunked version).
     replaced: list[Mapping[str, Any]] = field(default_factory=list)
-    cross_partition: list[str] = field(default_factory=list)  # keys seen in 2+ partitions
+    # Keys first seen in 2+ partitions by this apply (not among those already `flagged`).
+    cross_partition: list[str] = field(default_factory=list)
+    # The documents' new latest tombstones (their ORDER columns), to remember.
+    tombstones: dict[str, dict[str, Any]] = field(default_factory=dict)
     documents: int = 0  # documents given a new version
 
     def remove(self, version: Mapping[str, Any], chunk_count: int | None) -> None:
@@ -62,12 +71,56 @@ class Plan:
         if self.removed_counts is not None:
             self.removed_counts.append(max(1, int(chunk_count or 1)))
 
+    def take_down(self, current: Mapping[str, Any]) -> None:
+        """A live version stops being live."""
+        self.remove(current, current.get(CHUNK_COUNT))
+        self.replaced += _live_rows(current)
 
-def plan(rows: pa.Table, live: Mapping[str, Mapping[str, Any]]) -> Plan:
+    def supersede(
+        self, key: str, change: Mapping[str, Any], current: Mapping[str, Any] | None
+    ) -> bool:
+        """`change` is the document's latest version; whether it is live."""
+        if current is not None:
+            self.take_down(current)
+        if not change[DELETED]:
+            self.documents += 1
+            return True
+        self.tombstones[key] = {c: change[c] for c in ORDER}
+        if current is not None:
+            self.gone.append(key)
+        return False
+
+    def lose(
+        self,
+        key: str,
+        change: Mapping[str, Any],
+        current: Mapping[str, Any] | None,
+        tombstone: Mapping[str, Any] | None,
+    ) -> None:
+        """`change` is older than the live version, or than the document's tombstone
+        (the document stays deleted, whatever the order partitions were applied in)."""
+        if not change[DELETED]:
+            self.remove(change, change.get(CHUNK_COUNT))
+        if current is not None and tombstone is not None and newer(tombstone, current):
+            # A tombstone the view itself never applied: one kept for a view rebuilt
+            # beside its key table (sinks.view_keys.KeyMemory.settle).
+            self.take_down(current)
+            self.gone.append(key)
+
+
+def plan(
+    rows: pa.Table,
+    live: Mapping[str, Mapping[str, Any]],
+    dead: Mapping[str, Mapping[str, Any]] | None = None,
+    flagged: Collection[str] = (),
+) -> Plan:
     """The apply of segment `rows` (with DOC_KEY, DELETED and ORDER columns; CHUNK and
     CHUNK_COUNT in a chunked output, every row of a record among them) onto the
     documents whose live versions are `live` (by key: their ORDER columns; chunked,
-    their CHUNK_COUNT and CHUNKS, the chunk numbers of their live rows)."""
+    their CHUNK_COUNT and CHUNKS, the chunk numbers of their live rows), whose latest
+    tombstones are `dead` (by key: their ORDER columns), and of which those in
+    `flagged` were seen in more than one partition already."""
+    dead = dead or {}
     chunked = CHUNK in rows.column_names
     names = [DOC_KEY, DELETED, *ORDER, *([CHUNK_COUNT] if chunked else [])]
     table = rows.select(names).to_pylist()
@@ -90,24 +143,18 @@ def plan(rows: pa.Table, live: Mapping[str, Mapping[str, Any]]) -> Plan:
         if index not in chosen and not row[DELETED]:
             result.remove(row, row.get(CHUNK_COUNT))
     for key, index in latest.items():
-        change, current = versions[index], live.get(key)
-        if current is not None:
-            partitions[key].add((current["topic"], current["partition"]))
-        if current is not None and not newer(change, current):
-            if not change[DELETED]:  # an older version from another partition: never live
-                result.remove(change, change.get(CHUNK_COUNT))
-            continue
-        if current is not None:
-            result.remove(current, current.get(CHUNK_COUNT))
-            result.replaced += _live_rows(current)
-        if change[DELETED]:
-            if current is not None:
-                result.gone.append(key)
-        else:
+        change, current, tombstone = versions[index], live.get(key), dead.get(key)
+        for known in (current, tombstone):
+            if known is not None:
+                partitions[key].add((known["topic"], known["partition"]))
+        if not all(known is None or newer(change, known) for known in (current, tombstone)):
+            result.lose(key, change, current, tombstone)
+        elif result.supersede(key, change, current):
             winners += records[_place(change)]
-            result.documents += 1
     result.upserts = rows.take(pa.array(sorted(winners), pa.int64()))
-    result.cross_partition = [k for k, seen in partitions.items() if len(seen) > 1]
+    result.cross_partition = [
+        k for k, seen in partitions.items() if len(seen) > 1 and k not in flagged
+    ]
     return result
 
 

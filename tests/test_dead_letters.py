@@ -23,8 +23,15 @@ import pytest
 from kafka import KafkaProducer
 
 from consumers.dead_letters import DeadLetterLedger
+from pipeline.core.config import KafkaSettings
 from pipeline.core.records import BadRecord, SourceRecord
-from pipeline.kafka.dead_letter import Scanned, dead_letter_headers, dead_letter_partition
+from pipeline.kafka import dead_letter
+from pipeline.kafka.dead_letter import (
+    DeadLetterSink,
+    Scanned,
+    dead_letter_headers,
+    dead_letter_partition,
+)
 from sinks.segments import DeadLetterMark
 from tests.helpers import (
     corpus_records,
@@ -183,6 +190,54 @@ def test_each_source_partition_has_one_dead_letter_partition(tmp_path: Path) -> 
             assert offsets == sorted(offsets)
 
 
+class RecordingProducer:
+    """Stands in for kafka-python's producer: refuses a send with neither key nor value
+    before serializing, as it does, then serializes the key with the configured
+    serializer and keeps what would go on the wire."""
+
+    def __init__(self, **configs) -> None:
+        self.key_serializer = configs.get("key_serializer")
+        self.sent: list[tuple[bytes | None, bytes | None, list]] = []
+
+    def send(self, topic, value=None, key=None, headers=None, partition=None):
+        from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
+        from kafka.structs import TopicPartition
+
+        if key is None and value is None:
+            raise ValueError("Need at least one: key or value")
+        if self.key_serializer is not None:
+            key = self.key_serializer.serialize(topic, headers, key)
+        assert key is None or isinstance(key, bytes)
+        self.sent.append((key, value, headers))
+        result = FutureProduceResult(TopicPartition(topic, partition))
+        future = FutureRecordMetadata(result, 0, -1, None, -1, -1, -1)
+        result.success((len(self.sent) - 1, -1, None))
+        return future
+
+    def flush(self, timeout=None) -> None:
+        pass
+
+
+def test_a_record_with_neither_key_nor_value_is_dead_lettered_as_it_came(monkeypatch) -> None:
+    producers: list[RecordingProducer] = []
+
+    def build(make, kafka, **configs):
+        producers.append(RecordingProducer(**configs))
+        return producers[-1]
+
+    monkeypatch.setattr(dead_letter.cluster, "build_client", build)
+    sink = DeadLetterSink(KafkaSettings(), DLQ)
+    keyless = BadRecord(SourceRecord(TOPIC, 0, 7, 0, None, None), "keys", "MissingDocumentKey", "")
+    keyed = BadRecord(SourceRecord(TOPIC, 0, 8, 0, b"k", None), "keys", "KeyTooLong", "")
+    valued = bad(0, 9)
+    assert sink.send([keyless, keyed, valued], partitions=1) == {0: 2}
+    (producer,) = producers
+    assert [(k, v) for k, v, _ in producer.sent] == [
+        (None, None), (b"k", None), (None, b"{not json"),
+    ]  # fmt: skip
+    assert producer.sent[0][2] == dead_letter_headers(keyless)
+
+
 # -- against the real broker ---------------------------------------------------------------
 
 
@@ -278,6 +333,26 @@ def test_dead_letters_sent_before_a_crash_are_not_sent_again(
     counts = _dead_letter_counts(broker, topic)
     assert set(counts) == bad_positions | later
     assert [k for k, n in counts.items() if n > 1] == []
+
+
+@pytest.mark.integration
+def test_a_null_key_null_value_dead_letter_reaches_the_broker_as_nulls(
+    broker, make_topic, kafka_settings
+) -> None:
+    """kafka-python writes the keyless tombstone's dead letter as a true null key and
+    null value, with its headers (what the unit test above assumes of the serializer)."""
+    topic = make_topic(partitions=1)
+    make_topic_named(broker, f"{topic}.dlq")
+    sink = DeadLetterSink(kafka_settings, f"{topic}.dlq")
+    try:
+        source = SourceRecord(topic, 0, 3, 0, None, None)
+        sent = BadRecord(source, "keys", "MissingDocumentKey", "a tombstone without a key")
+        assert sink.send([sent], sink.partitions()) == {0: 0}
+    finally:
+        sink.close()
+    (record,) = read_topic(broker, f"{topic}.dlq", timeout_s=30)
+    assert (record.key, record.value) == (None, None)
+    assert list(record.headers) == dead_letter_headers(sent)
 
 
 def _options(model: str) -> tuple[str, ...]:

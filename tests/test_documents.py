@@ -4,6 +4,7 @@ applied from them, read back with Lance's own package."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -220,6 +221,123 @@ def test_across_partitions_the_later_timestamp_wins_whatever_the_order_applied(
     assert out.view()["doc"]["text"] == "newer"
 
 
+def test_a_key_at_the_same_offset_in_two_partitions_is_replaced(tmp_path: Path) -> None:
+    """Partitions count offsets from 0 each: a document's versions at one offset in two
+    partitions are two rows of the merge, told apart by their partition."""
+    out = Upserts(tmp_path)
+    view = ViewStore(tmp_path, index=IndexStore(tmp_path))
+    out.write(("doc", "first"), ("other", "x"), partition=1, ts=1_000)
+    view.sync()
+    out.write(("doc", "second"), ("other", "y"), partition=0, ts=2_000)
+    view.sync()  # raised "Ambiguous merge inserts" when merging on (doc_key, offset)
+    rows = out.view()
+    assert {k: (r["text"], r["partition"]) for k, r in rows.items()} == {
+        "doc": ("second", 0), "other": ("y", 0),
+    }  # fmt: skip
+    out.write(("doc", None), partition=1, ts=3_000)
+    view.sync()
+    assert sorted(out.view()) == ["other"]
+
+
+# Versions of five documents in three partitions, each partition's timestamps rising
+# with its offsets: partition -> its segments, (timestamp, changes) each.
+HISTORY: dict[int, list[tuple[int, list[tuple[str, str | None]]]]] = {
+    0: [(1_000, [("kA", "a old"), ("kB", "b old"), ("kE", "e old")]),
+        (5_000, [("kD", "d back")])],
+    1: [(2_000, [("kA", None), ("kB", "b newer"), ("kE", None)]),
+        (2_001, [("kB", None), ("kC", "c")])],
+    2: [(1_500, [("kC", None), ("kD", "d")]),
+        (4_000, [("kD", None), ("kA", "a back")])],
+}  # fmt: skip
+# By the rule, over every version: kA back after its delete, kB deleted for good (its
+# older version in partition 0 stays dead), kC live (the tombstone is older), kD back
+# after its delete, kE deleted (its older version stays dead).
+LATEST = {"kA": "a back", "kC": "c", "kD": "d back"}
+
+
+@pytest.mark.parametrize(
+    "order",
+    ["001122", "110022", "221100", "112200", "101202", "121020", "211002", "012012", "all"],
+)
+def test_the_view_is_the_same_whatever_the_order_partitions_are_applied_in(
+    tmp_path: Path, order: str
+) -> None:
+    """Each key ends as its newest version, a tombstone being a version too: a version
+    older than a key's delete stays deleted when its partition is applied after it."""
+    out = Upserts(tmp_path)
+    left = {p: list(segments) for p, segments in HISTORY.items()}
+    for partition in [int(p) for p in order] if order != "all" else []:
+        ts, changes = left[partition].pop(0)
+        out.write(*changes, partition=partition, ts=ts)
+        ViewStore(tmp_path, index=IndexStore(tmp_path)).sync()  # a restart each time
+    for partition, segments in left.items():  # "all": one apply of everything
+        for ts, changes in segments:
+            out.write(*changes, partition=partition, ts=ts)
+    ViewStore(tmp_path, index=IndexStore(tmp_path)).sync()
+    assert {k: r["text"] for k, r in out.view().items()} == LATEST
+    IndexStore(tmp_path).sync()
+    report = check_index(tmp_path)  # a version kept dead is not served either
+    assert report.ok and report.vectors == len(LATEST)
+
+
+def test_keys_learned_by_an_apply_whose_commit_did_not_land_are_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Phase one (the key table) without phase two (the view's commit): the next apply
+    sees the keys as the first attempt did, and counts each key in two partitions once."""
+    from sinks import view as view_module
+
+    out = Upserts(tmp_path)
+    out.write(("a", "a0"), ("b", "b0"), partition=0, ts=1_000)
+    ViewStore(tmp_path).sync()
+    pinned = ViewStore(tmp_path).state().keys_version
+    out.write(("a", None), ("b", "b1"), ("c", None), partition=1, ts=2_000)
+
+    def killed(*args: object) -> None:
+        raise RuntimeError("killed before the view's commit")
+
+    monkeypatch.setattr(view_module, "commit", killed)
+    with pytest.raises(RuntimeError):
+        ViewStore(tmp_path).sync()
+    written = lance.dataset(str(tmp_path / "current-keys"))
+    assert sorted(written.to_table().column("doc_key").to_pylist()) == ["a", "b", "c"]
+    assert ViewStore(tmp_path).state().keys_version == pinned  # named by no commit
+    monkeypatch.undo()
+    ViewStore(tmp_path).sync()
+    assert {k: r["text"] for k, r in out.view().items()} == {"b": "b1"}
+    state = ViewStore(tmp_path).state()
+    assert (state.cross_partition, state.cross_partition_example) == (2, "a")
+    # Older versions from partition 0 stay deleted; a key counts once however often seen.
+    out.write(("a", "a older"), ("c", "c older"), ("b", "b older"), partition=0, ts=1_500)
+    ViewStore(tmp_path).sync()
+    assert {k: r["text"] for k, r in out.view().items()} == {"b": "b1"}
+    assert ViewStore(tmp_path).state().cross_partition == 3  # a, b, c
+
+
+def test_a_first_apply_that_did_not_create_the_view_counts_its_keys_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = Upserts(tmp_path)
+    out.write(("a", "a0"), partition=0, ts=1_000)
+    out.write(("a", None), ("b", None), partition=1, ts=2_000)
+
+    def killed(*args: object) -> None:
+        raise RuntimeError("killed before the view was made")
+
+    monkeypatch.setattr(ViewStore, "_create", killed)
+    with pytest.raises(RuntimeError):
+        ViewStore(tmp_path).sync()
+    assert (tmp_path / "current-keys").is_dir() and not (tmp_path / "current").exists()
+    monkeypatch.undo()
+    ViewStore(tmp_path).sync()
+    assert out.view() == {}
+    assert ViewStore(tmp_path).state().cross_partition == 1  # a
+    out.write(("b", "b older"), partition=0, ts=1_500)
+    ViewStore(tmp_path).sync()
+    assert out.view() == {}
+    assert ViewStore(tmp_path).state().cross_partition == 2  # a, b
+
+
 def test_newer_orders_by_offset_in_a_partition_and_by_time_across() -> None:
     row = {"topic": "t", "partition": 0, "offset": 5, "timestamp": 100}
     assert newer(dict(row, offset=6, timestamp=1), row)
@@ -337,6 +455,33 @@ def test_purge_erases_superseded_and_deleted_documents_from_every_file(tmp_path:
     assert sorted(out.view()) == ["doc1", "doc2", "doc3"]
 
 
+def test_a_version_kept_deleted_is_erased_and_the_key_table_holds_no_text(
+    tmp_path: Path,
+) -> None:
+    out = Upserts(tmp_path)
+    out.write(("doc", None), partition=1, ts=2_000)
+    ViewStore(tmp_path, index=IndexStore(tmp_path)).sync()
+    out.write(("doc", "erase-me-older-text"), ("other", "kept"), partition=0, ts=1_000)
+    ViewStore(tmp_path, index=IndexStore(tmp_path)).sync()
+    IndexStore(tmp_path).sync()
+    assert sorted(out.view()) == ["other"]
+    report = purge(tmp_path)
+    assert report.erased_rows == 2  # the tombstone, and the version it keeps deleted
+    assert b"erase-me-older-text" not in file_bytes(tmp_path)
+    keys = lance.dataset(str(tmp_path / "current-keys")).to_table()
+    assert keys.column_names == ["doc_key", "topic", "partition", "offset", "timestamp",
+                                 "cross_partition"]  # fmt: skip
+    assert keys.to_pylist() == [
+        {"doc_key": "doc", "topic": "docs", "partition": 1, "offset": 0, "timestamp": 2_000,
+         "cross_partition": True},
+    ]  # fmt: skip
+    assert check_index(tmp_path).ok
+    # Still deleted after the purge erased the tombstone's row from the history.
+    out.write(("doc", "still older"), partition=0, ts=1_900)
+    ViewStore(tmp_path).sync()
+    assert sorted(out.view()) == ["other"]
+
+
 # -- the view's lease on an object store ------------------------------------------------
 
 
@@ -406,7 +551,14 @@ def test_upkeep_compacts_the_view_and_keeps_its_positions(tmp_path: Path) -> Non
     assert view.maintain(retention_s=0.0)
     dataset = lance.dataset(str(tmp_path / "current"))
     assert len(dataset.versions()) == 1 and len(dataset.get_fragments()) < fragments
-    assert view.state() == before and out.view() == rows
+    # The key table too, its compacted version named by the view's newest commit.
+    keys = lance.dataset(str(tmp_path / "current-keys"))
+    assert len(keys.versions()) == 1
+    after = view.state()
+    assert after.keys_version == keys.version
+    assert dataclasses.replace(after, keys_version=before.keys_version) == before
+    assert out.view() == rows
+    assert keys.to_table().column("doc_key").to_pylist() == ["b"]  # deleted: remembered
     out.write(("a", "later"))
     assert view.sync() == 1 and out.view()["a"]["text"] == "later"
 

@@ -122,6 +122,51 @@ def test_the_issue_corpus_ends_as_the_corpus_is_now(
     }
 
 
+def publish_keyless_tombstone(broker: str, topic: str, between: list[tuple[bytes, bytes]]) -> None:
+    """`between[0]`, a record with neither key nor value, then the rest, in partition 0
+    (kafka-python's send refuses key=None with value=None: the key goes in as a marker
+    that a serializer writes as a null key)."""
+    from kafka import KafkaProducer
+    from kafka.serializer import Serializer
+
+    null_key = object()
+
+    class Keys(Serializer):
+        def serialize(self, topic, headers, data):
+            return None if data is null_key else data
+
+    producer = KafkaProducer(bootstrap_servers=broker, acks="all", key_serializer=Keys())
+    first, *rest = between
+    producer.send(topic, key=first[0], value=first[1], partition=0)
+    producer.send(topic, key=null_key, value=None, partition=0)
+    for key, item in rest:
+        producer.send(topic, key=key, value=item, partition=0)
+    producer.flush(30)
+    producer.close()
+
+
+def test_a_tombstone_with_no_key_is_dead_lettered_once_and_the_worker_goes_on(
+    broker: str, make_topic, group_id: str, tmp_path: Path, tiny_model: str
+) -> None:
+    topic = make_topic(partitions=1)
+    publish_keyless_tombstone(broker, topic, [(b"doc1", value("one")), (b"doc2", value("two"))])
+    (keyless,) = [r for r in read_topic(broker, topic) if r.key is None]
+    assert keyless.value is None and keyless.offset == 1
+    output = tmp_path / "out"
+    extra = ("--write-mode", "upsert", "--model", tiny_model)
+    for _ in range(2):  # it crashed on every restart: the second run must also exit 0
+        done = run_until_end(broker, topic, group_id, output, *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (dead,) = read_topic(broker, f"{topic}.dlq", timeout_s=30)
+        assert (dead.key, dead.value) == (None, None)
+        headers = dict(dead.headers)
+        assert headers["error.class"] == b"MissingDocumentKey"
+        assert (headers["source.partition"], headers["source.offset"]) == (b"0", b"1")
+    assert {k: r["text"] for k, r in view_rows(output).items()} == {"doc1": "one", "doc2": "two"}
+    assert committed_offsets(broker, group_id, topic) == {0: 3}
+    pipeline(broker, "audit", "--group", group_id, "--topic", topic, "--output", str(output))
+
+
 def pipeline(broker: str, *args: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [*PIPELINE, *args], env=worker_env(broker), cwd=REPO, capture_output=True, text=True,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError
+from kafka.serializer import Serializer
 
 from pipeline.core.config import KafkaSettings
 from pipeline.core.errors import PipelineError
@@ -31,6 +32,24 @@ from pipeline.kafka.reading import STALL_S, read_until
 log = logging.getLogger(__name__)
 
 SourceKey = tuple[str, int]  # (topic, partition) of the input
+
+# The key sent for a record with neither key nor value (a tombstone without a key):
+# kafka-python refuses send(key=None, value=None) before it serializes anything, so
+# the key goes in as this and its serializer turns it into a null key on the wire.
+_NULL_KEY = object()
+
+
+class _KeyBytes(Serializer):
+    """Keys are sent as the bytes they are; `_NULL_KEY` as a null key."""
+
+    def serialize(self, topic: str, headers: list[tuple[str, bytes]], data: object) -> object:
+        return None if data is _NULL_KEY else data
+
+
+def _wire_key(key: bytes | None, value: bytes | None) -> object:
+    """The key to hand kafka-python's send: the record's own, unless it has neither key
+    nor value, which the dead-letter topic must hold as it came (null and null)."""
+    return _NULL_KEY if key is None and value is None else key
 
 
 def dead_letter_headers(bad: BadRecord) -> list[tuple[str, bytes]]:
@@ -94,6 +113,7 @@ class DeadLetterSink:
                 # still hears this worker (consumers.dead_letters), and flushes anyway.
                 linger_ms=0,
                 enable_idempotence=True,
+                key_serializer=_KeyBytes(),
                 max_request_size=16 * 1024 * 1024,
                 # Through a broker restart the producer retries on its own, as long
                 # as the worker is willing to wait (--broker-timeout-s).
@@ -122,7 +142,7 @@ class DeadLetterSink:
             futures = [
                 producer.send(
                     self.topic,
-                    key=bad.source.key,
+                    key=_wire_key(bad.source.key, bad.source.value),
                     value=bad.source.value,
                     headers=dead_letter_headers(bad),
                     partition=dead_letter_partition(bad.source.partition, partitions),
