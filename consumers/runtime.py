@@ -29,10 +29,10 @@ from pipeline.core.host import (
 )
 from pipeline.core.metrics import WorkerMetrics
 from pipeline.kafka import cluster
-from pipeline.model.embedder import Embedder, pick_device
+from pipeline.model.embedder import Embedder, calibration_of, engine_for, pick_device
 from pipeline.model.precision import resolve_precision
 from pipeline.model.spec import ModelSpec
-from sinks.identity import check_output_model
+from sinks.identity import check_output_model, precision_held, precisions_of_kind
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,13 @@ def run(config: WorkerConfig) -> RunSummary:
     _check_cluster(config)  # fail fast, before the seconds a model load takes
     # What the model is, from its files, and whether the output holds another one's
     # vectors: refused in seconds, before any weights load.
-    spec = _model_spec(config)
+    spec, allowed = _model_spec(config)
     shutdown = threading.Event()
     _install_signal_handlers(shutdown)
     # The model (torch's import included) loads while the worker checks the
     # cluster and its outputs; the worker waits for it before the first write.
     model = start_on_fresh_thread(
-        lambda: _load_model(config, spec, _plan_cpu(config)), "model-load"
+        lambda: _load_model(config, spec, allowed, _plan_cpu(config)), "model-load"
     )
     metrics = WorkerMetrics()
     if config.metrics_port is not None:
@@ -77,23 +77,36 @@ def _nvidia_present() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
-def _model_spec(config: WorkerConfig) -> ModelSpec:
+def _model_spec(config: WorkerConfig) -> tuple[ModelSpec, tuple[str, ...] | None]:
+    """The model read from its files and checked against the output's vectors; and the
+    precisions `--precision auto` may pick for that output (None: any)."""
     spec = ModelSpec.read(
         config.model.name,
         config.model.document_prompt,
         config.model.query_prompt,
         config.model.dimensions,
     )
-    # int8 is the one precision of another identity; auto never picks it.
-    kind = "int8" if config.model.precision == "int8" else "fp32"
-    check_output_model(config.output, spec.info(kind, config.model.device))
-    return spec
+    precision, allowed = config.model.precision, None
+    if precision == "auto":
+        # An output holds one kind (int8 or float): auto follows the one it holds,
+        # checked here as the precision it records (auto resolves at load).
+        held = precision_held(config.output)
+        allowed = None if held is None else precisions_of_kind(held)
+        precision = held or "fp32"
+    engine = engine_for(precision)
+    info = spec.info(precision, config.model.device, engine, calibration_of(precision, engine))
+    check_output_model(config.output, info)
+    return spec, allowed
 
 
-def _load_model(config: WorkerConfig, spec: ModelSpec, plan: CpuPlan) -> Embedder:
+def _load_model(
+    config: WorkerConfig, spec: ModelSpec, allowed: tuple[str, ...] | None, plan: CpuPlan
+) -> Embedder:
     precision = config.model.precision
     if precision == "auto":
-        precision = resolve_precision(spec, config.model.device, "auto", lambda: sample_texts(256))
+        precision = resolve_precision(
+            spec, config.model.device, "auto", lambda: sample_texts(256), allowed=allowed
+        )
     return Embedder.load_planned(
         config.model.name,
         precision,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,9 @@ class RunSummary:
         self.first_record_at: float | None = None
         self.last_commit_at: float | None = None
         self.cache: str | None = None  # the embedding cache's figures, when it is on
+        # Where the time went (`time_spent`): set when the run ends.
+        self.time_spent: str | None = None
+        self.cpu_at_first_record: os.times_result | None = None
 
     @property
     def seconds(self) -> float:
@@ -49,6 +53,7 @@ class RunSummary:
             f"in {self.batches} batches, {busy:.1f}s, {rate:,.1f} records/s{rate_of_chunks} "
             f"(first record to last commit; {self.seconds:.1f}s in all)"
             + (f"; cache: {self.cache}" if self.cache else "")
+            + (f"; {self.time_spent}" if self.time_spent else "")
         )
 
 
@@ -64,6 +69,36 @@ def account(summary: RunSummary, metrics: WorkerMetrics, published: PublishedBat
     metrics.records.labels("dead_lettered").inc(published.dead_lettered)
     metrics.dead_letter.inc(published.dead_lettered)
     metrics.batches.inc()
+
+
+def time_spent(metrics: WorkerMetrics, since: os.times_result | None = None) -> str:
+    """Seconds in each stage's work (the embed stage's forward passes and pooling, the
+    write stage's files and index, the commits) and the CPU seconds of this process
+    since `since` (the first record: start-up left out) and of its ended children (the
+    tokenizer processes: parsing and tokenizing big polls): where a run's time goes,
+    to compare with its busy seconds."""
+    now = os.times()
+    own = now.user + now.system - (since.user + since.system if since is not None else 0.0)
+    stages = ", ".join(
+        f"{name} {_histogram_sum(histogram):.1f}s"
+        for name, histogram in (
+            ("embed", metrics.embed_seconds),
+            ("write", metrics.write_seconds),
+            ("commit", metrics.commit_seconds),
+        )
+    )
+    return (
+        f"time in stages: {stages}; CPU: worker {own:.1f}s, "
+        f"tokenizer processes {now.children_user + now.children_system:.1f}s"
+    )
+
+
+def _histogram_sum(histogram: Any) -> float:
+    for family in histogram.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                return float(sample.value)
+    return 0.0
 
 
 def update_lag(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,7 +40,7 @@ from consumers.dead_letters import DeadLetterLedger
 from consumers.flow import flow_control
 from consumers.partitions import Applied, Ownership, Reader, caught_up_with
 from consumers.stages import Stage, check_stages, start_stages
-from consumers.summary import RunSummary, account, update_lag
+from consumers.summary import RunSummary, account, time_spent, update_lag
 from consumers.tokenize_process import TokenizerPool
 from pipeline.core.config import WorkerConfig
 from pipeline.core.documents import Keyed, paired
@@ -254,6 +255,7 @@ class Worker:
             if polled:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = time.monotonic()
+                    self.summary.cpu_at_first_record = os.times()
                     log.info("first record polled %.1fs after process start", process_age_s())
                 self._ingest(polled)
             if self._pending is None:
@@ -576,6 +578,7 @@ class Worker:
             self._bulk.close()
         if not any(stage.error for stage in self._stages):
             derived.catch_up(self.index, self.view, self.metrics, starting=False)
+        self.summary.time_spent = time_spent(self.metrics, self.summary.cpu_at_first_record)
 
 
 def _take_all(source: queue.Queue[T]) -> Iterator[T]:

@@ -15,7 +15,14 @@ One run, the same records of real text (standard-library docstring paragraphs,
       process start to exit, and the worker's steady-state rate from its final stderr
       line `done: N records (...) in B batches, S s, R records/s` (timed after model load).
 
-It then prints the ratios d/a, d/b, d/c beside their targets, the padding efficiency of
+Beside (b), the peers a user could pick instead (scripts/harness/peers.py):
+sentence-transformers in torch bf16, ONNX Runtime fp32 and dynamic int8, OpenVINO fp32
+and NNCF static int8, each with its gate figures against (b)'s fp32 vectors; "best"
+is the fastest peer (b included) that passes the gate.
+
+It then prints the ratios d/a, d/b, d/c, d/best beside their targets, where (d)'s
+time goes (its stages and CPU, from its last line; (a)'s tokenizing and forward
+passes), the padding efficiency of
 (d)'s batching policy and of (c)'s arrival-order batches, and the quality of the vectors
 (d) stored, against fp32: mean and minimum cosine, neighbour recall@10, PASS/FAIL on the
 precision gate. (b) and (c) run with one torch thread count (--threads); (a) with the
@@ -23,6 +30,7 @@ worker's own layout of model replicas x threads (pipeline.core.host.plan_cpu), a
 
     .venv/bin/python scripts/bench.py [--records 3000] [--precision auto] [--device auto]
         [--batch-size 4096] [--partitions 3] [--repeat 1] [--json results.json] [--keep]
+        [--no-peers]
 
 Each of (a) to (c) loads its model and runs on one fresh thread, as `pipeline run`
 loads its model on a thread that exits and embeds on its embed-stage thread: one
@@ -62,7 +70,9 @@ from harness.baselines import (
 )
 from harness.corpora import paragraphs as make_texts
 from harness.numbers import Padding, Rate, load_note, median_by
+from harness.peers import Peer, best, measure_peers, reference_peer, render_peers
 from harness.quality import Quality, quality
+from harness.shares import render_shares, time_spent
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
 from pipeline.core.errors import PipelineError
@@ -76,7 +86,7 @@ from pipeline.model.precision import (
 from pipeline.model.spec import resolve_model_path
 
 T = TypeVar("T")
-RATIO_TARGETS = {"d/a": 0.90, "d/b": 2.0, "d/c": 4.0}
+RATIO_TARGETS = {"d/a": 0.90, "d/b": 2.0, "d/c": 4.0, "d/best": 2.0}
 PADDING_TARGET = 0.90
 
 
@@ -86,15 +96,23 @@ class Results:
     rates: list[Rate] = field(default_factory=list)
     padding: list[Padding] = field(default_factory=list)
     quality: Quality | None = None
+    peers: list[Peer] = field(default_factory=list)
+    # (a)'s seconds tokenizing and in forward passes, (d)'s time in stages and CPU.
+    shares: dict[str, float] = field(default_factory=dict)
 
     def rate(self, key: str) -> float:
+        if key == "best":
+            return self.best_peer().rate.per_s if self.peers else float("nan")
         return next(r.per_s for r in self.rates if r.key == key)
+
+    def best_peer(self) -> Peer:
+        return best(self.peers)
 
     def ratios(self) -> dict[str, dict[str, float]]:
         steady, wall = self.rate("d_steady"), self.rate("d_wall")
         out = {}
         for name in RATIO_TARGETS:
-            base = self.rate(name[-1])
+            base = self.rate(name.split("/")[1])
             out[name] = {"steady": _div(steady, base), "wall": _div(wall, base)}
         return out
 
@@ -109,6 +127,9 @@ class Results:
             if self.quality
             else None,
             "gate": {"min_cosine_mean": DEFAULT_MIN_COSINE, "min_recall_at_10": DEFAULT_MIN_RECALL},
+            "peers": [asdict(p) | {"passed": p.passed} for p in self.peers],
+            "best_peer": self.best_peer().rate.key if self.peers else None,
+            "shares": self.shares,
         }
 
 
@@ -164,6 +185,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rounds of (a) then (d); their medians make the ratios (rates drift on a "
         "shared machine)",
     )
+    parser.add_argument(
+        "--no-peers",
+        dest="peers",
+        action="store_false",
+        help="skip the peers beside (b) (bf16, ONNX, OpenVINO): minutes less",
+    )
     parser.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds (d) may take before it is killed"
@@ -212,15 +239,19 @@ def resolve(args: argparse.Namespace) -> tuple[str, str]:
 # -- (a) raw model and (b) sentence-transformers ---------------------------------------
 
 
-def bench_raw(embedder: Embedder, texts: list[str]) -> float:
-    """Seconds to tokenize and embed texts, after a warm-up on a few of them."""
+def bench_raw(embedder: Embedder, texts: list[str]) -> tuple[float, float]:
+    """Seconds to tokenize texts and to embed them, after a warm-up on a few."""
     embedder.embed_tokens(embedder.tokenize(texts[:WARMUP_TEXTS]))
     started = time.perf_counter()
-    embedder.embed_tokens(embedder.tokenize(texts))
-    return time.perf_counter() - started
+    tokens = embedder.tokenize(texts)
+    tokenized = time.perf_counter()
+    embedder.embed_tokens(tokens)
+    return tokenized - started, time.perf_counter() - tokenized
 
 
-def bench_raw_in_fresh_process(args: argparse.Namespace, precision: str, device: str) -> Rate:
+def bench_raw_in_fresh_process(
+    args: argparse.Namespace, precision: str, device: str
+) -> tuple[Rate, float]:
     """(a) in a process of its own, started like (d)'s: no state left by (b) and (c).
 
     The bench process has by then grown its heap and warmed its caches on two
@@ -239,13 +270,14 @@ def bench_raw_in_fresh_process(args: argparse.Namespace, precision: str, device:
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
         raise BenchError(f"(a) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    seconds = float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+    timed = json.loads(proc.stdout.strip().splitlines()[-1])
+    seconds = float(timed["tokenize"]) + float(timed["embed"])
     name = f"(a) raw model: Embedder {precision}, length-sorted passes"
-    return Rate.timed("a", name, args.records, seconds)
+    return Rate.timed("a", name, args.records, seconds), float(timed["tokenize"]) / seconds
 
 
 def raw_only(args: argparse.Namespace) -> int:
-    """The child side of bench_raw_in_fresh_process: prints {"seconds": S}."""
+    """The child side of bench_raw_in_fresh_process: prints {"tokenize": S, "embed": S}."""
     import torch
 
     from pipeline.core.host import plan_cpu, usable_cpus
@@ -255,11 +287,12 @@ def raw_only(args: argparse.Namespace) -> int:
     torch.set_num_threads(plan.threads_per_replica)
     texts = make_texts(args.records)
 
-    def load_and_time() -> float:
+    def load_and_time() -> tuple[float, float]:
         embedder = Embedder.load_planned(args.model, args.precision, plan)
         return bench_raw(embedder, texts)
 
-    print(json.dumps({"seconds": call_on_fresh_thread(load_and_time)}), flush=True)
+    tokenize, embed = call_on_fresh_thread(load_and_time)
+    print(json.dumps({"tokenize": tokenize, "embed": embed}), flush=True)
     return 0
 
 
@@ -365,6 +398,10 @@ def render(results: Results) -> str:
         lines.append(
             f"{name:<8}{values['steady']:>8.2f}{values['wall']:>8.2f}   >= {target:<5.2f} {verdict}"
         )
+    if len(results.peers) > 1:
+        lines += ["", *render_peers(results.peers)]
+    if results.shares:
+        lines += ["", *render_shares(results.shares)]
     lines += ["", f"{'padding efficiency (real / computed tokens)':<66}{'value':>10}   target"]
     for p in results.padding:
         target = (
@@ -480,12 +517,20 @@ def measure(
             warmup,
         )
     )
+    results.peers = [reference_peer(rate_b)]
+    if args.peers and setup["device"] == "cpu":
+        results.peers += measure_peers(model_dir, texts, reference, workdir, args.threads, say)
     rates_a: list[Rate] = []
+    tokenize_shares: list[float] = []
     runs: list[PipelineRun] = []
     for n, group in enumerate(pipeline_groups):
         round_note = f" (round {n + 1} of {args.repeat})" if args.repeat > 1 else ""
         say(f"(a) raw model, in a fresh process{round_note}")
-        rates_a.append(bench_raw_in_fresh_process(args, setup["precision"], setup["device"]))
+        rate_a, tokenize_share = bench_raw_in_fresh_process(
+            args, setup["precision"], setup["device"]
+        )
+        rates_a.append(rate_a)
+        tokenize_shares.append(tokenize_share)
         say(f"(d) pipeline run --until-end{round_note}")
         output = workdir / f"pipeline-{n}"
         runs.append(bench_pipeline(args, setup, group, output, workdir / f"run-{n}.log"))
@@ -497,6 +542,10 @@ def measure(
         "d_wall": [r.wall.per_s for r in runs],
     }
     results.rates += [median_by(rates_a, lambda r: r.per_s), rate_b, rate_c, run.steady, run.wall]
+    results.shares = {
+        "a_tokenize": float(np.median(tokenize_shares)),
+        **time_spent(run.done_line, run.steady.seconds),
+    }
     lengths = embedder.tokenize(texts).lengths
     results.padding += [*policy_padding(embedder, lengths, args.batch_size), naive_padding]
     results.quality = quality(workdir / f"pipeline-{runs.index(run)}", ids, reference)

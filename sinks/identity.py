@@ -22,8 +22,11 @@ What has to match (the identity):
   "l2-before-truncation"), the similarity the index searches by, and `model_identity`, a hash
   of all of it with the tokenizer's files and every module's weights
   (pipeline.model.spec): outputs written before these were recorded skip them;
-- the precision's kind: int8 (dynamic quantisation, cosine 0.94 mean / 0.83 min
-  against fp32 on our sample) against float. fp32, bf16 and fp16 of the same
+- the precision's kind: int8, as it was made (`calibration`: the recipe of
+  pipeline.model.openvino_engine; an int8 output of earlier releases, torch's dynamic
+  quantisation, records none and is a kind of its own), against float. The gate
+  admits int8 (cosine >= 0.995 to fp32), but an index of one kind answers queries
+  of one: an output holds one. fp32, bf16 and fp16 of the same
   weights are one identity: `--precision auto` admits them only above a cosine of
   0.995 (measured 1.0000 mean, 0.9999 min), and the fleet of one output may well
   mix a GPU worker in bf16 with CPU workers in fp32. Each segment records its own
@@ -178,9 +181,10 @@ def differences(recorded: Mapping[str, str], model: ModelInfo) -> list[str]:
         theirs = recorded.get(key, ABSENT_MEANS.get(key))
         if theirs is not None and theirs != ours[key]:
             found.append(f"{label} {_show(key, theirs)} -> {_show(key, ours[key])}")
-    theirs_kind = _precision_kind(recorded.get("precision"))
-    if theirs_kind is not None and theirs_kind != _precision_kind(model.precision):
-        found.append(f"precision {recorded.get('precision')} -> {model.precision}")
+    theirs_kind = _precision_kind(recorded.get("precision"), recorded.get("calibration"))
+    ours_kind = _precision_kind(model.precision, model.calibration)
+    if theirs_kind is not None and theirs_kind != ours_kind:
+        found.append(f"precision {theirs_kind} -> {ours_kind}")
     return found
 
 
@@ -246,6 +250,11 @@ def _flags_for(recorded: Mapping[str, str], model: ModelInfo) -> str:
     dimensions = recorded.get("truncate_dim", "")
     if dimensions and dimensions != str(model.truncate_dim or ""):
         flags += f" --dimensions {dimensions}"
+    held = _precision_kind(recorded.get("precision"), recorded.get("calibration"))
+    if held is not None and held != _precision_kind(model.precision, model.calibration):
+        # auto follows the kind an output holds; int8 of another recipe needs the
+        # release that made it.
+        flags += " --precision auto"
     return flags
 
 
@@ -261,10 +270,28 @@ def _renormalised_cut(recorded: Mapping[str, str], model: ModelInfo, found: list
     )
 
 
-def _precision_kind(precision: str | None) -> str | None:
+FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _precision_kind(precision: str | None, calibration: str | None = None) -> str | None:
+    """float, or int8 as it was made: an int8 output recorded before the calibration
+    was (torch's dynamic quantisation) is its own kind."""
     if precision is None:
         return None
-    return "int8" if precision == "int8" else "float"
+    if precision != "int8":
+        return "float"
+    return f"int8 ({calibration or 'torch dynamic quantisation'})"
+
+
+def precision_held(output: Any) -> str | None:
+    """The precision the output's vectors record (None: it holds none)."""
+    recorded = recorded_model(output)
+    return None if recorded is None else recorded.get("precision")
+
+
+def precisions_of_kind(precision: str) -> tuple[str, ...]:
+    """The precisions whose vectors may join vectors of `precision`."""
+    return ("int8",) if precision == "int8" else FLOAT_PRECISIONS
 
 
 def _show(key: str, value: str) -> str:

@@ -56,6 +56,21 @@ def test_bench_runs_on_64_records_in_two_rounds(broker: str, tmp_path: Path) -> 
     assert all(r["per_s"] > 0 for r in data["rates"].values())
     assert data["quality"]["rows"] == data["quality"]["expected"] == 64
     assert len(data["setup"]["rounds"]["a"]) == len(data["setup"]["rounds"]["d_steady"]) == 2
+    # The peers a user could pick instead, each with its gate figures, and the ratio to
+    # the fastest that passes.
+    assert "d/best" in out and "<- best" in out, out
+    names = [p["rate"]["key"] for p in data["peers"]]
+    assert names == [
+        "b", "st-bf16", "onnx-fp32", "onnx-int8", "openvino-fp32", "openvino-int8"
+    ]  # fmt: skip
+    assert all(p["rate"]["per_s"] > 0 and 0 < p["cosine_mean"] <= 1.0001 for p in data["peers"])
+    fp32_engines = [p for p in data["peers"] if p["rate"]["key"] in ("onnx-fp32", "openvino-fp32")]
+    assert all(p["cosine_min"] >= 0.9999 and p["passed"] for p in fp32_engines)
+    assert data["best_peer"] in names
+    # Where the time goes: (a)'s tokenizing, (d)'s stages and CPU.
+    assert 0 < data["shares"]["a_tokenize"] < 1
+    assert data["shares"]["d_embed"] > 0 and data["shares"]["d_cpu"] > 0
+    assert "where the time goes" in out, out
 
 
 @pytest.mark.integration

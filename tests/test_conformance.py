@@ -113,6 +113,21 @@ def test_vectors_equal_sentence_transformers(
     assert_equal_vectors(got, expected)
 
 
+@pytest.mark.parametrize(
+    "name", ["bert-dense-identity-gelu", "bert-prompt-excluded", "xlm-roberta-unigram",
+             "t5-encoder-dense", "qwen2-lasttoken-left"],
+)  # fmt: skip
+def test_openvino_at_fp32_equals_sentence_transformers(
+    name: str, loaded: Callable[..., Embedder], texts: list[str]
+) -> None:
+    """The OpenVINO engine (int8's) at fp32 computes the same function: parity, as
+    torch's, whatever the encoder it was converted from (native or transformers')."""
+    embedder = loaded(name, "fp32", engine="openvino")
+    assert embedder.engine == "openvino"
+    expected = reference(Path(embedder.info.path), texts, embedder.info.document_prompt)
+    assert_equal_vectors(embedder.embed(texts), expected)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 @pytest.mark.parametrize(
     "name", ["bert-dense-identity-gelu", "bert-prompt-excluded", "xlm-roberta-unigram",

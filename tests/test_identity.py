@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,7 @@ def test_an_empty_output_has_no_recorded_model(tmp_path: Path) -> None:
         ({"normalize": False}, "normalisation l2 -> none"),
         ({"max_length": 512}, "max length 256 -> 512"),
         ({"document_prompt": "passage: "}, "document prompt '' -> 'passage: '"),
-        ({"precision": "int8"}, "precision fp32 -> int8"),
+        ({"precision": "int8"}, "precision float -> int8"),
         ({"dim": 16, "revision": "sha256:1111111111111111"}, "dimension 8 -> 16"),
         ({"modules": "Transformer > Pooling(cls)"}, "module stack"),
         ({"truncate_dim": 4, "dim": 4}, "Matryoshka dimensions"),
@@ -138,6 +139,32 @@ def test_same_weights_at_another_precision_or_name_are_one_identity(tmp_path: Pa
     ):
         assert differences(recorded_model(tmp_path) or {}, same) == []
         check_output_model(tmp_path, same, str(tmp_path))
+
+
+def test_int8_is_one_kind_per_recipe(tmp_path: Path) -> None:
+    """An int8 output admits int8 made the same way only: not float, not the int8 of
+    another recipe, nor an earlier release's (torch's dynamic quantisation, which
+    recorded no calibration); `--precision auto` follows the kind an output holds."""
+    from sinks.identity import precision_held, precisions_of_kind
+
+    assert precision_held(tmp_path) is None  # empty: auto picks freely
+    recipe = "nncf-int8-recipe-a"
+    ours = other(precision="int8", engine="openvino", calibration=recipe)
+    publish_segment(tmp_path, ours)
+    assert precision_held(tmp_path) == "int8"
+    assert precisions_of_kind("int8") == ("int8",)
+    check_output_model(tmp_path, other(precision="int8", engine="openvino", calibration=recipe))
+    for refused, named in (
+        (MODEL, "precision int8 (nncf-int8-recipe-a) -> float"),
+        (other(precision="int8", calibration="recipe-b"), "-> int8 (recipe-b)"),
+        (other(precision="int8"), "-> int8 (torch dynamic quantisation)"),
+    ):
+        with pytest.raises(OutputError, match=re.escape(named)) as caught:
+            check_output_model(tmp_path, refused, str(tmp_path))
+        assert "--precision auto" in str(caught.value)  # auto follows the output's kind
+    floats = tmp_path / "floats"
+    publish_segment(floats, MODEL)
+    assert precisions_of_kind(precision_held(floats) or "") == ("fp32", "bf16", "fp16")
 
 
 def test_outputs_from_before_prompts_had_none() -> None:

@@ -204,7 +204,9 @@ def model_check(
     if not as_json:
         click.echo(_parity_line(parity))
     gate = Gate(min_cosine, min_recall)
-    reports = check_precisions(spec, device, texts, list(precisions) or None, gate)
+    reports = check_precisions(
+        spec, device, texts, list(precisions) or None, gate, extra_engines=not precisions
+    )
     remember(spec, reports[0].device, gate, reports)
     best = choose(reports)
     if as_json:
@@ -236,16 +238,16 @@ def _parity_line(parity: Any) -> str:
 
 def _echo_precisions(reports: list[Any], best: Any, gate: Any) -> None:
     click.echo(
-        f"\n{'precision':<10}{'device':<8}{'cos mean':>10}{'cos min':>10}"
+        f"\n{'precision':<10}{'engine':<10}{'device':<8}{'cos mean':>10}{'cos min':>10}"
         f"{'recall@10':>11}{'texts/s':>10}  gate"
     )
     for r in reports:
         click.echo(
-            f"{r.precision:<10}{r.device:<8}{r.cosine_mean:>10.4f}{r.cosine_min:>10.4f}"
-            f"{r.recall_at_10:>11.3f}{r.texts_per_s:>10.0f}  "
-            f"{'pass' if r.passed else 'FAIL'}"
+            f"{r.precision:<10}{r.engine:<10}{r.device:<8}{r.cosine_mean:>10.4f}"
+            f"{r.cosine_min:>10.4f}{r.recall_at_10:>11.3f}{r.texts_per_s:>10.0f}  "
+            f"{'pass' if r.passed else 'FAIL'}{'' if r.selectable else ' (compared only)'}"
         )
     click.echo(
-        f"auto picks: {best.precision} (gate: cosine mean >= {gate.min_cosine_mean}, "
-        f"recall@10 >= {gate.min_recall_at_10})"
+        f"auto picks: {best.precision} on {best.engine} (gate: cosine mean >= "
+        f"{gate.min_cosine_mean}, recall@10 >= {gate.min_recall_at_10})"
     )

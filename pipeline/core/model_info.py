@@ -59,6 +59,10 @@ class ModelInfo:
     # compared with outputs that record no `tokenizer` (sinks.identity).
     tokenizer: str = ""
     legacy_identity: str = ""
+    # What ran the network ("torch" or "openvino"), and how an int8 model was made
+    # from the weights (pipeline.model.openvino_engine.RECIPE; "" for float).
+    engine: str = "torch"
+    calibration: str = ""
 
     @property
     def normalization(self) -> str:
@@ -84,4 +88,6 @@ class ModelInfo:
             "truncate_dim": "" if self.truncate_dim is None else str(self.truncate_dim),
             "similarity": self.similarity,
             "tokenizer": self.tokenizer,
+            "engine": self.engine,
+            "calibration": self.calibration,
         }

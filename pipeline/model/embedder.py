@@ -27,7 +27,6 @@ import functools
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -142,6 +141,10 @@ class Embedder:
         self.spec = spec
         self._fast = spec.tokenizer.backend(spec.max_length)  # truncates, never pads
         self._pad_id = spec.tokenizer.pad_token_id or 0
+        self.engine = info.engine
+        if self.engine == "openvino":
+            # Compiled for this many replicas: one OpenVINO stream and request each.
+            model = model.compile(replicas, threads_per_replica)
         self._model = model
         self.encoder = encoder
         self._native = encoder == network.NATIVE
@@ -227,24 +230,27 @@ class Embedder:
         query_prompt: str | None = None,
         dimensions: int | None = None,
         spec: ModelSpec | None = None,
+        engine: str | None = None,
     ) -> Embedder:
         """`encoder`: "auto" (pipeline.model.bert where it applies, else transformers),
         "native" or "transformers"; None reads PIPELINE_ENCODER (default auto).
         `document_prompt` / `query_prompt`: None takes the model's own (pipeline.model.prompts),
         "" none. `dimensions`: Matryoshka truncation. `spec`: the model already read
-        (pipeline.model.spec), instead of `model` and the three before."""
+        (pipeline.model.spec), instead of `model` and the three before. `engine`:
+        "torch" or "openvino"; None: the precision's (engine_for)."""
         import torch
 
         from pipeline.model import network
 
         spec = spec or ModelSpec.read(model, document_prompt, query_prompt, dimensions)
         device = pick_device(device)
-        _check_precision(precision, device)
+        engine = engine or engine_for(precision)
+        _check_precision(precision, device, engine)
         net, used = network.load(spec, _encoder_choice(encoder))
-        net = _apply_precision(net, precision, device)
-        info = spec.info(precision, device)
+        net = _apply_precision(spec, net, used, precision, device, engine)
+        info = spec.info(precision, device, engine, calibration_of(precision, engine))
         log.info(
-            "model %s (%s) loaded: %s, %d dimensions, %s on %s, %s encoder; prompts: "
+            "model %s (%s) loaded: %s, %d dimensions, %s on %s (%s), %s encoder; prompts: "
             "document %r, query %r",
             spec.name,
             spec.revision,
@@ -252,6 +258,7 @@ class Embedder:
             info.dim,
             precision,
             device,
+            engine,
             used,
             info.document_prompt,
             info.query_prompt,
@@ -460,13 +467,17 @@ class Embedder:
         real = columns < lengths[:, None]
         ids = np.full((len(lengths), width), self._pad_id, dtype=np.int64)
         ids[real] = flat[(starts[:, None] + columns)[real]]
-        input_ids, attention = torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64))
+        mask = real.astype(np.int64)
+        input_ids, attention = torch.from_numpy(ids), torch.from_numpy(mask)
         if self.info.device == "cuda":
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
             attention = attention.pin_memory().to("cuda", non_blocking=True)
         with torch.inference_mode():
-            padded = bool(lengths.min() < width)
-            hidden = self._network(self._model, self._native, input_ids, attention, padded)
+            if self.engine == "openvino":
+                hidden = self._model.hidden(ids, mask)
+            else:
+                padded = bool(lengths.min() < width)
+                hidden = self._network(self._model, self._native, input_ids, attention, padded)
             pooled = self._head(hidden, attention, excluded)
         return pooled.cpu().numpy()
 
@@ -512,42 +523,47 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _check_precision(precision: str, device: str) -> None:
-    if precision == "int8" and device != "cpu":
-        raise ModelError(
-            "int8 (dynamic quantisation) runs on the CPU only; use fp16 or bf16 on CUDA"
-        )
-    if precision == "fp16" and device == "cpu":
-        raise ModelError("fp16 is for CUDA; on the CPU use bf16 (where native) or fp32")
+def engine_for(precision: str) -> str:
+    """The engine a precision runs on: int8 on OpenVINO (pipeline.model.openvino_engine),
+    the float precisions on torch."""
+    return "openvino" if precision == "int8" else "torch"
+
+
+def calibration_of(precision: str, engine: str) -> str:
+    """How the weights were made int8, as the outputs record it ("" for float)."""
+    from pipeline.model import openvino_engine
+
+    return openvino_engine.RECIPE if precision == "int8" and engine == "openvino" else ""
+
+
+def _check_precision(precision: str, device: str, engine: str) -> None:
     if precision == "auto":
         raise ModelError("resolve --precision auto before loading (pipeline.model.precision)")
+    if engine == "openvino":
+        if device != "cpu":
+            raise ModelError(
+                f"{precision} on OpenVINO runs on the CPU only; on CUDA use fp16 or bf16"
+            )
+        if precision not in ("fp32", "int8"):
+            raise ModelError(f"the OpenVINO engine runs fp32 and int8, not {precision}")
+        return
+    if precision == "int8":
+        raise ModelError("int8 runs on the OpenVINO engine, not on torch")
+    if precision == "fp16" and device == "cpu":
+        raise ModelError("fp16 is for CUDA; on the CPU use bf16 (where native) or fp32")
 
 
-def _apply_precision(net: Any, precision: str, device: str) -> Any:
+def _apply_precision(
+    spec: ModelSpec, net: Any, encoder: str, precision: str, device: str, engine: str
+) -> Any:
     import torch
 
-    if precision == "int8":
-        return _quantize_int8(net)
+    if engine == "openvino":
+        from pipeline.model import network, openvino_engine
+
+        return openvino_engine.load(spec, net, encoder == network.NATIVE, precision)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return net.to(device=device, dtype=dtype)
-
-
-def _quantize_int8(net: Any) -> Any:
-    """Dynamic int8 quantisation of the Linear layers. torch.ao.quantization is
-    deprecated (torchao replaces it) and warns on every load: users chose int8, so
-    the warnings are not theirs to act on; a torch without it is one clear error."""
-    import torch
-
-    quantization = getattr(getattr(torch, "ao", None), "quantization", None)
-    if quantization is None or not hasattr(quantization, "quantize_dynamic"):
-        raise ModelError(
-            f"--precision int8 needs torch.ao.quantization, which torch {torch.__version__} "
-            "no longer has; use fp32 or bf16"
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*", category=UserWarning)
-        return quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -5,6 +5,10 @@ neighbours. `check_precisions()` embeds a sample of real text at fp32 and at eac
 candidate precision and reports mean and minimum cosine against fp32, neighbour
 recall@10 (within the sample) and texts/s. `--precision auto` takes the fastest
 precision that passes the gate and remembers the choice per model and device.
+
+Each precision runs on its engine (pipeline.model.embedder.engine_for: int8 on
+OpenVINO, the float ones on torch); `pipeline model check` measures OpenVINO at fp32
+too, a row to compare engines by that auto does not pick.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.model.embedder import Embedder, cpu_has_native_bf16, pick_device
+from pipeline.core.errors import ModelError
+from pipeline.model import openvino_engine
+from pipeline.model.embedder import Embedder, cpu_has_native_bf16, engine_for, pick_device
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,12 @@ class PrecisionReport:
     recall_at_10: float
     texts_per_s: float
     passed: bool
+    engine: str = "torch"
+
+    @property
+    def selectable(self) -> bool:
+        """Whether `--precision` runs this row (its precision on its own engine)."""
+        return self.engine == engine_for(self.precision)
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -77,7 +89,12 @@ def candidates_for(device: str) -> list[str]:
 
         return ["bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp16"]
     native = ["bf16"] if cpu_has_native_bf16() else []
-    return [*native, "int8"]
+    return ["int8", *native] if openvino_engine.available() else native
+
+
+def engine_rows(device: str) -> list[tuple[str, str]]:
+    """(precision, engine) rows `pipeline model check` adds to compare engines by."""
+    return [("fp32", "openvino")] if device == "cpu" and openvino_engine.available() else []
 
 
 def check_precisions(
@@ -87,30 +104,61 @@ def check_precisions(
     precisions: list[str] | None = None,
     gate: Gate = Gate(),
     sub_batch_tokens: int | None = None,
+    extra_engines: bool = False,
 ) -> list[PrecisionReport]:
+    """fp32 on torch first (the reference), then each precision on its engine;
+    `extra_engines`: the engine_rows too. A precision whose engine cannot run the
+    model (an architecture OpenVINO does not convert) is reported as failed."""
     device = pick_device(device)
     spec = _spec(model)
     wanted = candidates_for(device) if precisions is None else precisions
+    rows = [(p, engine_for(p)) for p in wanted if p != "fp32"]
+    if extra_engines:
+        rows += engine_rows(device)
     reference_model = Embedder.load(device=device, sub_batch_tokens=sub_batch_tokens, spec=spec)
-    reference, fp32_rate = _timed_embed(reference_model, texts)
-    del reference_model
+    try:
+        reference, fp32_rate = _timed_embed(reference_model, texts)
+    finally:
+        reference_model.close()
     reports = [PrecisionReport("fp32", device, 1.0, 1.0, 1.0, fp32_rate, True)]
-    for precision in wanted:
-        if precision == "fp32":
-            continue
-        embedder = Embedder.load(
-            precision=precision, device=device, sub_batch_tokens=sub_batch_tokens, spec=spec
-        )
-        vectors, rate = _timed_embed(embedder, texts)
-        cos = cosine_rows(reference, vectors)
-        recall = neighbour_recall(reference, vectors)
-        passed = bool(cos.mean() >= gate.min_cosine_mean and recall >= gate.min_recall_at_10)
+    for precision, engine in rows:
         reports.append(
-            PrecisionReport(
-                precision, device, float(cos.mean()), float(cos.min()), recall, rate, passed
-            )
+            _measure(spec, device, precision, engine, texts, reference, gate, sub_batch_tokens)
         )
     return reports
+
+
+def _measure(
+    spec: ModelSpec,
+    device: str,
+    precision: str,
+    engine: str,
+    texts: list[str],
+    reference: np.ndarray,
+    gate: Gate,
+    sub_batch_tokens: int | None,
+) -> PrecisionReport:
+    try:
+        embedder = Embedder.load(
+            precision=precision,
+            device=device,
+            sub_batch_tokens=sub_batch_tokens,
+            spec=spec,
+            engine=engine,
+        )
+    except ModelError as exc:
+        log.warning("precision %s on %s: not measured: %s", precision, engine, exc)
+        return PrecisionReport(precision, device, 0.0, 0.0, 0.0, 0.0, False, engine)
+    try:
+        vectors, rate = _timed_embed(embedder, texts)
+    finally:
+        embedder.close()
+    cos = cosine_rows(reference, vectors)
+    recall = neighbour_recall(reference, vectors)
+    passed = bool(cos.mean() >= gate.min_cosine_mean and recall >= gate.min_recall_at_10)
+    return PrecisionReport(
+        precision, device, float(cos.mean()), float(cos.min()), recall, rate, passed, engine
+    )
 
 
 def _timed_embed(embedder: Embedder, texts: list[str]) -> tuple[np.ndarray, float]:
@@ -120,9 +168,24 @@ def _timed_embed(embedder: Embedder, texts: list[str]) -> tuple[np.ndarray, floa
     return vectors, len(texts) / (time.perf_counter() - started)
 
 
-def choose(reports: list[PrecisionReport]) -> PrecisionReport:
-    """The fastest report that passed the gate (fp32 always passes)."""
-    return max((r for r in reports if r.passed), key=lambda r: r.texts_per_s)
+def choose(
+    reports: list[PrecisionReport], allowed: tuple[str, ...] | None = None
+) -> PrecisionReport:
+    """The fastest selectable report that passed the gate (fp32 always passes), of
+    the `allowed` precisions (None: any)."""
+    passed = [
+        r
+        for r in reports
+        if r.passed and r.selectable and (allowed is None or r.precision in allowed)
+    ]
+    if not passed:
+        failed = ", ".join(_verdict(r) for r in reports if r.precision in (allowed or ()))
+        raise ModelError(
+            f"--precision auto: the output holds {'/'.join(allowed or ())} vectors and no "
+            f"such precision passes the gate for this model here ({failed or 'none runs'}): "
+            "name the precision to add to the output anyway, or give a new --output"
+        )
+    return max(passed, key=lambda r: r.texts_per_s)
 
 
 # -- remembering the choice ------------------------------------------------------------
@@ -186,15 +249,20 @@ def remember(
         log.warning("could not remember the precision choice in %s: %s", path, exc)
 
 
-def remembered(model: str | ModelSpec, device: str, gate: Gate) -> str | None:
+def remembered(model: str | ModelSpec, device: str, gate: Gate) -> list[PrecisionReport] | None:
+    """The reports measured for this model and device under this gate, where they
+    cover every precision the device now offers (an engine installed since, or a
+    release that adds one, measures again)."""
     path = cache_path()
     try:
         entry = json.loads(path.read_text()).get(_cache_key(model, device))
-    except (OSError, json.JSONDecodeError):
+        if not entry or entry.get("gate") != asdict(gate):
+            return None
+        reports = [PrecisionReport(**r) for r in entry["reports"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
         return None
-    if not entry or entry.get("gate") != asdict(gate):
-        return None
-    return str(entry["choice"])
+    measured = {r.precision for r in reports if r.selectable}
+    return reports if set(candidates_for(device)) <= measured else None
 
 
 def resolve_precision(
@@ -203,29 +271,37 @@ def resolve_precision(
     requested: str,
     texts: Callable[[], list[str]],
     gate: Gate = Gate(),
+    allowed: tuple[str, ...] | None = None,
 ) -> str:
     """A concrete precision for `requested` (which may be 'auto'). `texts` gives the
     sample to measure on: built only when a measurement is due (gathering the
-    stdlib sample took seconds of the worker's start-up)."""
+    stdlib sample took seconds of the worker's start-up). `allowed`: the precisions
+    auto may pick (an output's vectors admit only those of their kind)."""
     if requested != "auto":
         return requested
     device = pick_device(device)
-    known = remembered(model, device, gate)
-    if known is not None:
-        log.info("precision auto: %s (remembered for this model and device)", known)
-        return known
+    reports = remembered(model, device, gate)
+    if reports is not None:
+        best = choose(reports, allowed)
+        log.info("precision auto: %s (remembered for this model and device)", best.precision)
+        return best.precision
     sample = texts()
     log.info("precision auto: measuring candidates against fp32 on %d texts", len(sample))
-    # int8 rarely passes and is slow to measure; it is checked by `pipeline model check`.
-    candidates = [p for p in candidates_for(device) if p != "int8"]
-    reports = check_precisions(model, device, sample, candidates, gate)
+    reports = check_precisions(model, device, sample, None, gate)
     remember(model, device, gate, reports)
-    best = choose(reports)
+    best = choose(reports, allowed)
     log.info(
-        "precision auto: %s (cosine %.4f, recall@10 %.3f, %.0f texts/s)",
+        "precision auto: %s on %s (cosine %.4f, recall@10 %.3f, %.0f texts/s; %s)",
         best.precision,
+        best.engine,
         best.cosine_mean,
         best.recall_at_10,
         best.texts_per_s,
+        ", ".join(_verdict(r) for r in reports),
     )
     return best.precision
+
+
+def _verdict(report: PrecisionReport) -> str:
+    verdict = "pass" if report.passed else "fail"
+    return f"{report.precision} on {report.engine} {report.texts_per_s:.0f}/s {verdict}"

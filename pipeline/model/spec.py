@@ -149,7 +149,9 @@ class ModelSpec:
             "truncate_dim": self.truncate_dim,
         }
 
-    def info(self, precision: str, device: str) -> ModelInfo:
+    def info(
+        self, precision: str, device: str, engine: str = "torch", calibration: str = ""
+    ) -> ModelInfo:
         return ModelInfo(
             self.name,
             str(self.path),
@@ -168,6 +170,8 @@ class ModelSpec:
             self.stack.similarity,
             tokenizer=self.tokenizer_fingerprint,
             legacy_identity=self.legacy_identity,
+            engine=engine,
+            calibration=calibration,
         )
 
 

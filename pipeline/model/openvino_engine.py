@@ -1,0 +1,307 @@
+"""The OpenVINO engine: the Transformer module's network converted to OpenVINO, at
+fp32 or int8, run on the CPU.
+
+int8 is NNCF's data-free weight compression (int8, asymmetric, one scale per output
+channel) with OpenVINO's dynamic quantisation of the activations: at every matmul the
+CPU plugin quantises each token's activations in groups of `GROUP_SIZE` values, with
+scales of that pass's own values, and multiplies in int8. Nothing is calibrated on
+text, so no corpus (Chinese, code, another domain) sits outside a calibration
+sample's range. Measured against NNCF's static int8 (SmoothQuant, bias correction,
+300 calibration texts) on held-out text, it keeps neighbour recall@10 above the gate
+where static int8 falls below it (docs/performance.md: precisions).
+
+The converted and compressed model is cached on disk (`cache_dir`), keyed by the model
+identity, the recipe and the OpenVINO and NNCF releases: a new release converts
+again. The pooling and the modules after it run in torch on the engine's hidden
+states (pipeline.model.head), as for every engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.core.errors import ModelError
+from pipeline.model.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+ENGINE = "openvino"
+# Activations are quantised in groups of this many values of a token: measured on
+# MiniLM (docs/performance.md), 32 kept recall@10 0.975 against fp32 where 128 kept
+# 0.963 and a whole token's row 0.946, for 15 % less speed than 128.
+GROUP_SIZE = 32
+# What the outputs record of how int8 was made (ModelInfo.calibration): the identity
+# of a quantised output. Another recipe is another identity.
+RECIPE = f"nncf-int8-asym-per-channel-weights+dynamic-int8-activations-g{GROUP_SIZE}"
+_XML = "model.xml"
+# The conversion check: two texts of other lengths than the trace's, one padded.
+_PROBE = (
+    "an OpenVINO conversion probe",
+    "a longer probe of the conversion, so that the first text is padded beside it, " * 3,
+)
+_CONVERSION_MIN_COSINE = 0.9999
+_CONVERT_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Whether OpenVINO and NNCF are installed."""
+    _telemetry_by_consent_only()
+    try:
+        import nncf  # noqa: F401
+        import openvino  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _telemetry_by_consent_only() -> None:
+    """OpenVINO's converter and NNCF send usage telemetry when no consent file says
+    otherwise (openvino_telemetry reads a missing file as consent where the tool asks
+    no question). A worker sends nothing nobody agreed to: a missing file reads as
+    declined; `opt_in_out --opt_in` still turns it on. Before NNCF's import, which
+    decides then."""
+    try:
+        from openvino_telemetry.utils import opt_in_checker
+    except ImportError:
+        return
+    result, checker = opt_in_checker.ConsentCheckResult, opt_in_checker.OptInChecker
+    asked = checker.check
+
+    def check(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = asked(self, *args, **kwargs)
+        return result.DECLINED if found == result.NO_FILE else found
+
+    checker.check = check
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "embedding-pipeline" / "openvino"
+
+
+class OpenVinoNetwork:
+    """The network as OpenVINO runs it: hidden states of right-padded rows. Compiled
+    for `replicas` threads, each with its own infer request (one OpenVINO stream
+    each, `threads_per_replica` threads per stream)."""
+
+    def __init__(self, model: Any, config: Any, precision: str) -> None:
+        self.ov_model = model
+        self.config = config  # the network's, for pass sizing (activation_bytes_per_token)
+        self.precision = precision
+        self._compiled: Any = None
+        self._local = threading.local()
+
+    def compile(self, replicas: int, threads_per_replica: int | None) -> OpenVinoNetwork:
+        """A copy compiled for this layout (the model itself is shared)."""
+        import openvino as ov
+
+        threads = replicas * (threads_per_replica or 1)
+        properties: dict[str, Any] = {
+            "NUM_STREAMS": str(replicas),
+            "INFERENCE_NUM_THREADS": str(threads),
+        }
+        if self.precision == "int8":
+            # The operations left in floating point (attention's products, softmax,
+            # normalisation) at OpenVINO's default: bf16 where the CPU has it natively
+            # (10 % faster on MiniLM, recall@10 0.973 against 0.975), else fp32. The
+            # gate measures int8 as it runs.
+            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(GROUP_SIZE)
+        else:
+            properties["INFERENCE_PRECISION_HINT"] = "f32"  # fp32 means fp32 here
+        compiled = OpenVinoNetwork(self.ov_model, self.config, self.precision)
+        compiled._compiled = ov.Core().compile_model(self.ov_model, "CPU", properties)
+        return compiled
+
+    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Any:
+        """The last hidden state (a torch tensor) of int64 ids and mask."""
+        import torch
+
+        request = getattr(self._local, "request", None)
+        if request is None:
+            if self._compiled is None:
+                raise RuntimeError("OpenVinoNetwork.compile() before hidden()")
+            request = self._local.request = self._compiled.create_infer_request()
+        request.infer({"input_ids": input_ids, "attention_mask": mask})
+        # Copied: the request reuses its output buffer on the next pass.
+        return torch.from_numpy(request.get_output_tensor(0).data.copy())
+
+
+def load(spec: ModelSpec, net: Any, native: bool, precision: str) -> OpenVinoNetwork:
+    """The torch network `net` on OpenVINO at `precision` (fp32 or int8), from the
+    cache or converted (and compressed) now and cached."""
+    if precision not in ("fp32", "int8"):
+        raise ModelError(f"the OpenVINO engine runs fp32 and int8, not {precision}")
+    if not available():
+        raise ModelError(
+            f"--precision {precision} on OpenVINO needs the openvino and nncf packages "
+            "(pip install embedding-pipeline, which depends on them)"
+        )
+    import openvino as ov
+
+    folder = cache_dir() / _cache_key(spec, native, precision)
+    with _CONVERT_LOCK:
+        model = _read_cached(folder)
+        if model is None:
+            _convert(spec, net, native, precision, folder)
+            model = ov.Core().read_model(str(folder / _XML))
+    return OpenVinoNetwork(model, getattr(net, "config", None), precision)
+
+
+def _read_cached(folder: Path) -> Any:
+    """The cached model, or None: absent, or damaged (then removed, to convert again)."""
+    import openvino as ov
+
+    xml = folder / _XML
+    if not xml.exists():
+        return None
+    try:
+        return ov.Core().read_model(str(xml))
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unreadable"
+        log.warning("OpenVINO: the cached model %s is damaged (%s): converting again", xml, first)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+
+def _cache_key(spec: ModelSpec, native: bool, precision: str) -> str:
+    import nncf
+    import openvino as ov
+
+    parts = [
+        spec.identity,
+        "native" if native else "transformers",
+        precision,
+        RECIPE if precision == "int8" else "",
+        ov.__version__,
+        nncf.__version__,
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _convert(spec: ModelSpec, net: Any, native: bool, precision: str, folder: Path) -> None:
+    """Converts (and for int8 compresses) `net` into `folder`, atomically: a worker
+    beside this one sees the whole model or none."""
+    import openvino as ov
+
+    started = time.perf_counter()
+    model = _converted(net, native)
+    _check_conversion(spec, net, native, model)
+    if precision == "int8":
+        model = _compressed(model)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    try:
+        # compress_to_fp16 False: the fp32 constants stay fp32 (the default halves them).
+        ov.save_model(model, str(staging / _XML), compress_to_fp16=False)
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not (folder / _XML).exists():
+                raise
+            # Another process converted it meanwhile: theirs is the same model.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info(
+        "OpenVINO: %s model converted in %.1fs, cached in %s",
+        precision,
+        time.perf_counter() - started,
+        folder,
+    )
+
+
+def _converted(net: Any, native: bool) -> Any:
+    import openvino as ov
+    import torch
+
+    from pipeline.model import network
+
+    class Traced(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            return network.forward(self.net, native, input_ids, attention_mask)
+
+    # Traced on a padded batch: the mask's paths are in the graph.
+    example = torch.ones(2, 16, dtype=torch.long)
+    mask = example.clone()
+    mask[1, 9:] = 0
+    try:
+        # The converter traces with torch.jit, which warns that it is deprecated.
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            # ... and warns of every Python branch it fixes: _check_conversion measures
+            # whether the graph holds for other shapes and padding.
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return ov.convert_model(
+                Traced().eval(),
+                example_input=(example, mask),
+                input=[
+                    ("input_ids", [-1, -1], ov.Type.i64),
+                    ("attention_mask", [-1, -1], ov.Type.i64),
+                ],
+            )
+    except Exception as exc:  # the converter raises many kinds; one line names it
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"OpenVINO could not convert this model: {first}") from exc
+
+
+def _check_conversion(spec: ModelSpec, net: Any, native: bool, model: Any) -> None:
+    """Refuses a conversion whose hidden states differ from torch's on a batch of
+    another shape than the traced one, padded (a branch the trace fixed, a position
+    computed once): the engine must compute the network's function."""
+    import openvino as ov
+    import torch
+
+    from pipeline.model import network
+
+    tokenizer = spec.tokenizer.backend(spec.max_length)
+    rows = [e.ids for e in tokenizer.encode_batch(list(_PROBE))]
+    width = max(map(len, rows))
+    pad = spec.tokenizer.pad_token_id or 0
+    ids = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int64)
+    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=np.int64)
+    with torch.inference_mode():
+        expected = network.forward(net, native, torch.from_numpy(ids), torch.from_numpy(mask))
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    got = torch.from_numpy(compiled({"input_ids": ids, "attention_mask": mask})[0])
+    real = torch.from_numpy(mask).bool()
+    cosine = torch.nn.functional.cosine_similarity(
+        got[real].float(), expected[real].float(), dim=-1
+    ).min()
+    if float(cosine) < _CONVERSION_MIN_COSINE:
+        raise ModelError(
+            f"OpenVINO's conversion of this model differs from torch on a padded batch "
+            f"(token cosine {float(cosine):.5f}): it runs on torch only (fp32, bf16)"
+        )
+
+
+def _compressed(model: Any) -> Any:
+    import nncf
+
+    # NNCF reports its statistics as tables at INFO and draws a progress bar on
+    # stdout (where `pipeline model check --json` writes): one log line of ours says it.
+    nncf_log = logging.getLogger("nncf")
+    level = nncf_log.level
+    nncf_log.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    finally:
+        nncf_log.setLevel(level)
