@@ -17,7 +17,9 @@ them stay, or all go, and the footer names the offset purged once.
    as accounted for, not missing), and the swapped-aside files are removed; on an
    object store each such segment is written again under its own name;
 3. the index is rebuilt from the purged segments (its shard files held every
-   version), keeping only the removals of versions still in them;
+   version), keeping only the removals of versions still in them, and the earlier
+   generations' files are removed at once (on an object store they are otherwise
+   kept a while for readers);
 4. the view's fragments holding deleted rows are rewritten and its versions older
    than the retention removed (default 0: erasure means now; a reader holding an
    older version open then fails and reads again).
@@ -89,6 +91,7 @@ def purge(
     rebuilt = IndexStore(output, index_type=meta.index_type if meta else FLAT)
     vectors = rebuilt.rebuild()
     rebuilt.prune_removed()  # the erased versions' removals are moot now
+    rebuilt.remove_history()  # earlier generations' shards hold the erased vectors
     view.maintain(retention_s, erase=True)
     return PurgeReport(
         compacted,

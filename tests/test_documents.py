@@ -482,6 +482,37 @@ def test_a_version_kept_deleted_is_erased_and_the_key_table_holds_no_text(
     assert sorted(out.view()) == ["other"]
 
 
+@pytest.mark.s3
+def test_purge_on_an_object_store_leaves_no_earlier_index_generation(s3_url: str) -> None:
+    """On an object store the index keeps earlier generations' shards a while, for
+    readers; a purge removes them at once: they hold the erased versions' vectors."""
+    from sinks.objectstore import ObjectStore
+
+    store = ObjectStore.from_url(s3_url)
+    out = Upserts(store)  # type: ignore[arg-type]
+    out.write(("doc1", "old-text"), ("doc2", "deleted-text"))
+
+    def sync() -> None:
+        view = ViewStore(store, index=IndexStore(store))
+        view.sync()
+        view.close()  # the lease: the next apply, and the purge's, take it at once
+        IndexStore(store).sync()  # a generation each, as a worker's syncs make
+
+    for changes in ((("doc1", "new-text"),), (("doc2", None),), (("doc3", "kept"),)):
+        sync()
+        out.write(*changes)
+    sync()
+    erased = [out.vectors[(0, 0)], out.vectors[(0, 1)]]
+    assert purge(store).erased_rows == 3
+    raw = b"".join(store.get(o.key) for o in store.list(""))
+    for vector in erased:
+        assert vector.astype(np.float32).tobytes() not in raw
+    assert b"old-text" not in raw and b"deleted-text" not in raw
+    manifests = [o.key for o in store.list("index/") if "manifest-" in o.key]
+    assert len(manifests) == 1
+    assert check_index(store).ok  # type: ignore[arg-type]
+
+
 # -- the view's lease on an object store ------------------------------------------------
 
 

@@ -73,6 +73,8 @@ class IndexFiles(Protocol):
 
     def remove_unlisted(self, listed: set[str]) -> None: ...
 
+    def remove_history(self, listed: set[str]) -> None: ...
+
 
 def index_files(output: Output) -> IndexFiles:
     if isinstance(output, Path):
@@ -142,6 +144,10 @@ class LocalIndexFiles:
         for path in self.directory.iterdir():
             if is_index_file(path.name) and path.name not in listed:
                 path.unlink(missing_ok=True)
+
+    def remove_history(self, listed: set[str]) -> None:
+        """Local directories keep no earlier generations: as remove_unlisted."""
+        self.remove_unlisted(listed)
 
 
 _SCRATCH_PREFIX = "pipeline-index-"
@@ -243,6 +249,19 @@ class ObjectIndexFiles:
             for manifest in kept:
                 shards -= self._shards_named_by(manifest)
         for name in sorted(old_manifests | shards):
+            self.store.delete(f"{INDEX_DIR}/{name}")
+
+    def remove_history(self, listed: set[str]) -> None:
+        """Erasure (`pipeline compact --purge`): every manifest but the newest and every
+        shard they name that `listed` does not, now, whatever their age: they hold the
+        vectors of erased versions. A reader of an older generation then fails and
+        reads again. Shards no manifest names (a writer's, about to commit) stay."""
+        self._list()
+        older = self._manifests()[:-1]
+        named: set[str] = set()
+        for manifest in older:
+            named |= self._shards_named_by(manifest)
+        for name in sorted((named - listed) | set(older)):
             self.store.delete(f"{INDEX_DIR}/{name}")
 
     def _shards_named_by(self, manifest: str) -> set[str]:

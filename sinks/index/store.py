@@ -449,6 +449,14 @@ class IndexStore(Removals):
         stats.bytes_written += len(text)
         self.files.remove_unlisted(set(meta.files))
 
+    def remove_history(self) -> None:
+        """Removes the earlier generations' files now (erasure: they hold the vectors of
+        erased versions), not after the grace period readers get otherwise."""
+        with self.files.locked():
+            meta = self.saved_meta()
+            if meta is not None:
+                self.files.remove_history(set(meta.files))
+
     def _read_shard(self, shard: Shard, meta: IndexMeta) -> Any:
         try:
             index = read_index_file(self.files.fetch(shard.file), shard.count, meta.metric)
