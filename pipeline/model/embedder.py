@@ -143,7 +143,7 @@ class Embedder:
         self._pad_id = spec.tokenizer.pad_token_id or 0
         self.engine = info.engine
         if self.engine == "openvino":
-            # Compiled for this many replicas: one OpenVINO stream and request each.
+            # Compiled for this many replicas: their threads share one stream.
             model = model.compile(replicas, threads_per_replica)
         self._model = model
         self.encoder = encoder

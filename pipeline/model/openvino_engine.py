@@ -97,26 +97,29 @@ def cache_dir() -> Path:
 
 
 class OpenVinoNetwork:
-    """The network as OpenVINO runs it: hidden states of right-padded rows. Each
-    replica thread has its own infer request; the requests take turns on one
-    OpenVINO stream of every replica's threads. (A stream per replica ran 5 % faster
-    on 2 cores, but requests meeting a new pass shape at once specialise it
-    concurrently inside OpenVINO's thread pools, and one such run, on a loaded
-    2-core machine, never finished.)"""
+    """The network as OpenVINO runs it: hidden states of right-padded rows. The
+    replicas' threads take turns on one infer request of one OpenVINO stream of all
+    their threads: requests of their own that meet a new pass shape at once each
+    specialise it, concurrently, inside OpenVINO's thread pools, which on a loaded
+    2-core machine never finished (twice in our test runs; OpenVINO's own users report the same
+    of concurrent first passes, ultralytics issue 25923). Taking turns costs nothing
+    measurable: one stream runs one pass at a time anyway."""
 
     def __init__(self, model: Any, config: Any, precision: str) -> None:
         self.ov_model = model
         self.config = config  # the network's, for pass sizing (activation_bytes_per_token)
         self.precision = precision
         self._compiled: Any = None
-        self._local = threading.local()
+        self._request: Any = None
+        self._turn = threading.Lock()
 
     def compile(self, replicas: int, threads_per_replica: int | None) -> OpenVinoNetwork:
         """A copy compiled for this layout (the model itself is shared)."""
         import openvino as ov
 
-        threads = replicas * (threads_per_replica or 1)
-        properties: dict[str, Any] = {"NUM_STREAMS": "1", "INFERENCE_NUM_THREADS": str(threads)}
+        properties: dict[str, Any] = {"NUM_STREAMS": "1"}
+        if threads_per_replica is not None:  # None: OpenVINO's own, every core (as torch)
+            properties["INFERENCE_NUM_THREADS"] = str(replicas * threads_per_replica)
         if self.precision == "int8":
             # The operations left in floating point (attention's products, softmax,
             # normalisation) at OpenVINO's default: bf16 where the CPU has it natively
@@ -127,27 +130,34 @@ class OpenVinoNetwork:
             properties["INFERENCE_PRECISION_HINT"] = "f32"  # fp32 means fp32 here
         compiled = OpenVinoNetwork(self.ov_model, self.config, self.precision)
         compiled._compiled = ov.Core().compile_model(self.ov_model, "CPU", properties)
+        compiled._request = compiled._compiled.create_infer_request()
         return compiled
 
     def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Any:
         """The last hidden state (a torch tensor) of int64 ids and mask."""
         import torch
 
-        request = getattr(self._local, "request", None)
-        if request is None:
-            if self._compiled is None:
-                raise RuntimeError("OpenVinoNetwork.compile() before hidden()")
-            request = self._local.request = self._compiled.create_infer_request()
-        request.start_async({"input_ids": input_ids, "attention_mask": mask})
-        if not request.wait_for(PASS_TIMEOUT_S * 1000):
-            request.cancel()
-            raise ModelError(
-                f"an OpenVINO pass of {input_ids.shape[0]} x {input_ids.shape[1]} tokens did "
-                f"not finish in {PASS_TIMEOUT_S} s: the engine is stuck (nothing of this "
-                "batch was written or committed)"
-            )
-        # Copied: the request reuses its output buffer on the next pass.
-        return torch.from_numpy(request.get_output_tensor(0).data.copy())
+        if self._request is None:
+            raise RuntimeError("OpenVinoNetwork.compile() before hidden()")
+        if not self._turn.acquire(timeout=PASS_TIMEOUT_S):
+            raise self._stuck(input_ids.shape)
+        try:
+            self._request.start_async({"input_ids": input_ids, "attention_mask": mask})
+            if not self._request.wait_for(PASS_TIMEOUT_S * 1000):
+                self._request.cancel()
+                raise self._stuck(input_ids.shape)
+            # Copied: the request reuses its output buffer on the next pass.
+            return torch.from_numpy(self._request.get_output_tensor(0).data.copy())
+        finally:
+            self._turn.release()
+
+    @staticmethod
+    def _stuck(shape: tuple[int, ...]) -> ModelError:
+        return ModelError(
+            f"an OpenVINO pass of {shape[0]} x {shape[1]} tokens did not finish in "
+            f"{PASS_TIMEOUT_S} s: the engine is stuck (nothing of this batch was written "
+            "or committed)"
+        )
 
 
 def load(spec: ModelSpec, net: Any, native: bool, precision: str) -> OpenVinoNetwork:

@@ -30,12 +30,8 @@ inner product over L2-normalised copies of the vectors, dot, euclidean, manhatta
 taken from the segments' `embedding.similarity` when the index is made and kept in
 `index.json`; search gives scores as SentenceTransformer.similarity does.
 
-Index types: `flat` is exact search (IndexFlat): no training, exact, search cost
-linear in the corpus (~10 ms per query per million 384-d vectors on a GPU, ~100x
-that on a CPU core). `ivf` (IVF-Flat) and `ivf-pq` (IVF with product
-quantisation, 32x smaller) are trained on a sample at `pipeline index rebuild`,
-which reports their recall@10 against exact search; vectors that workers add later
-go to flat shards that readers add to the trained index.
+Index types (`flat`, exact; `ivf` and `ivf-pq`, trained at `pipeline index rebuild`,
+later vectors in flat shards beside them): docs/exactly-once.md, the index.
 """
 
 from __future__ import annotations
@@ -588,9 +584,7 @@ class IndexStore(Removals):
 
 
 def _list_size(table: Any) -> int | None:
-    if table.num_rows == 0:
-        return None
-    return int(table.schema.field("embedding").type.list_size)
+    return int(table.schema.field("embedding").type.list_size) if table.num_rows else None
 
 
 class _LostCommit(Exception):
@@ -598,9 +592,9 @@ class _LostCommit(Exception):
 
 
 def _model_meta(raw: Mapping[bytes, bytes] | None) -> dict[str, str]:
-    raw = raw or {}
+    items = (raw or {}).items()
     return {
-        k.decode()[len("embedding.") :]: v.decode()
-        for k, v in raw.items()
+        k.decode().removeprefix("embedding."): v.decode()
+        for k, v in items
         if k.startswith(b"embedding.")
     }
