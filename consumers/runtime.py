@@ -105,7 +105,7 @@ def _load_model(
     precision = config.model.precision
     if precision == "auto":
         precision = resolve_precision(
-            spec, config.model.device, "auto", lambda: sample_texts(256), allowed=allowed
+            spec, config.model.device, "auto", lambda: sample_texts(256), allowed=allowed, plan=plan
         )
     return Embedder.load_planned(
         config.model.name,

@@ -12,6 +12,7 @@ import pytest
 
 from pipeline.core.corpus import sample_texts
 from pipeline.core.errors import ModelError
+from pipeline.core.host import CpuPlan
 from pipeline.model import precision as precision_mod
 from pipeline.model.embedder import Embedder, engine_for
 from pipeline.model.precision import (
@@ -183,6 +184,14 @@ def test_gate_mismatch_is_not_remembered(cache_home: Path, fast_revision: dict) 
 def test_other_device_is_not_remembered(cache_home: Path, fast_revision: dict) -> None:
     remember("default", "cpu", Gate(), REPORTS)
     assert remembered("default", "cuda", Gate()) is None
+
+
+def test_another_layout_is_measured_again(cache_home: Path, fast_revision: dict) -> None:
+    """Which precision is fastest depends on the replicas and threads it runs on."""
+    one, two = CpuPlan(1, 2, 2), CpuPlan(2, 1, 2)
+    remember("default", "cpu", Gate(), REPORTS, one)
+    assert remembered("default", "cpu", Gate(), one) is not None
+    assert remembered("default", "cpu", Gate(), two) is None
 
 
 def test_other_model_revision_is_not_remembered(

@@ -237,6 +237,8 @@ def _parity_line(parity: Any) -> str:
 
 
 def _echo_precisions(reports: list[Any], best: Any, gate: Any) -> None:
+    from pipeline.model.precision import layout_of
+
     click.echo(
         f"\n{'precision':<10}{'engine':<10}{'device':<8}{'cos mean':>10}{'cos min':>10}"
         f"{'recall@10':>11}{'texts/s':>10}  gate"
@@ -249,5 +251,6 @@ def _echo_precisions(reports: list[Any], best: Any, gate: Any) -> None:
         )
     click.echo(
         f"auto picks: {best.precision} on {best.engine} (gate: cosine mean >= "
-        f"{gate.min_cosine_mean}, recall@10 >= {gate.min_recall_at_10})"
+        f"{gate.min_cosine_mean}, recall@10 >= {gate.min_recall_at_10}; each timed as a "
+        f"worker here lays it out: {layout_of(best.device)})"
     )

@@ -142,8 +142,12 @@ class OpenVinoNetwork:
         if not self._turn.acquire(timeout=PASS_TIMEOUT_S):
             raise self._stuck(input_ids.shape)
         try:
-            self._request.start_async({"input_ids": input_ids, "attention_mask": mask})
-            if not self._request.wait_for(PASS_TIMEOUT_S * 1000):
+            try:
+                self._request.start_async({"input_ids": input_ids, "attention_mask": mask})
+                finished = self._request.wait_for(PASS_TIMEOUT_S * 1000)
+            except RuntimeError as exc:  # the CPU lacks a kernel it needs (ONEDNN_MAX_CPU_ISA)
+                raise ModelError(f"OpenVINO cannot run this model here: {_last_line(exc)}") from exc
+            if not finished:
                 self._request.cancel()
                 raise self._stuck(input_ids.shape)
             # Copied: the request reuses its output buffer on the next pass.
@@ -158,6 +162,12 @@ class OpenVinoNetwork:
             f"{PASS_TIMEOUT_S} s: the engine is stuck (nothing of this batch was written "
             "or committed)"
         )
+
+
+def _last_line(exc: Exception) -> str:
+    """OpenVINO's errors nest a line per layer; the cause is the last one with text."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def load(spec: ModelSpec, net: Any, native: bool, precision: str) -> OpenVinoNetwork:

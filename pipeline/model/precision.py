@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.errors import ModelError
+from pipeline.core.host import CpuPlan, plan_cpu, usable_cpus
 from pipeline.model import openvino_engine
 from pipeline.model.embedder import Embedder, cpu_has_native_bf16, engine_for, pick_device
 from pipeline.model.spec import ModelSpec
@@ -105,17 +106,22 @@ def check_precisions(
     gate: Gate = Gate(),
     sub_batch_tokens: int | None = None,
     extra_engines: bool = False,
+    plan: CpuPlan | None = None,
 ) -> list[PrecisionReport]:
     """fp32 on torch first (the reference), then each precision on its engine;
     `extra_engines`: the engine_rows too. A precision whose engine cannot run the
-    model (an architecture OpenVINO does not convert) is reported as failed."""
+    model (an architecture OpenVINO does not convert) is reported as failed. Each
+    runs laid out as `plan` (None: as a worker on this host, `layout_of`): which
+    precision is fastest depends on it (torch's bf16 gained more from two replicas
+    than OpenVINO's int8 did from two threads)."""
     device = pick_device(device)
+    plan = plan or layout_of(device)
     spec = _spec(model)
     wanted = candidates_for(device) if precisions is None else precisions
     rows = [(p, engine_for(p)) for p in wanted if p != "fp32"]
     if extra_engines:
         rows += engine_rows(device)
-    reference_model = Embedder.load(device=device, sub_batch_tokens=sub_batch_tokens, spec=spec)
+    reference_model = _load(spec, "fp32", "torch", plan, sub_batch_tokens)
     try:
         reference, fp32_rate = _timed_embed(reference_model, texts)
     finally:
@@ -123,14 +129,33 @@ def check_precisions(
     reports = [PrecisionReport("fp32", device, 1.0, 1.0, 1.0, fp32_rate, True)]
     for precision, engine in rows:
         reports.append(
-            _measure(spec, device, precision, engine, texts, reference, gate, sub_batch_tokens)
+            _measure(spec, plan, precision, engine, texts, reference, gate, sub_batch_tokens)
         )
     return reports
 
 
+def layout_of(device: str) -> CpuPlan:
+    """How a worker on this host lays the model out by default."""
+    return plan_cpu(device, usable_cpus())
+
+
+def _load(
+    spec: ModelSpec, precision: str, engine: str, plan: CpuPlan, sub_batch_tokens: int | None
+) -> Embedder:
+    return Embedder.load(
+        precision=precision,
+        device=plan.device,
+        sub_batch_tokens=sub_batch_tokens,
+        replicas=plan.replicas,
+        threads_per_replica=plan.threads_per_replica,
+        spec=spec,
+        engine=engine,
+    )
+
+
 def _measure(
     spec: ModelSpec,
-    device: str,
+    plan: CpuPlan,
     precision: str,
     engine: str,
     texts: list[str],
@@ -139,25 +164,22 @@ def _measure(
     sub_batch_tokens: int | None,
 ) -> PrecisionReport:
     try:
-        embedder = Embedder.load(
-            precision=precision,
-            device=device,
-            sub_batch_tokens=sub_batch_tokens,
-            spec=spec,
-            engine=engine,
-        )
+        embedder = _load(spec, precision, engine, plan, sub_batch_tokens)
     except ModelError as exc:
         log.warning("precision %s on %s: not measured: %s", precision, engine, exc)
-        return PrecisionReport(precision, device, 0.0, 0.0, 0.0, 0.0, False, engine)
+        return PrecisionReport(precision, plan.device, 0.0, 0.0, 0.0, 0.0, False, engine)
     try:
         vectors, rate = _timed_embed(embedder, texts)
+    except ModelError as exc:
+        log.warning("precision %s on %s: does not run here: %s", precision, engine, exc)
+        return PrecisionReport(precision, plan.device, 0.0, 0.0, 0.0, 0.0, False, engine)
     finally:
         embedder.close()
     cos = cosine_rows(reference, vectors)
     recall = neighbour_recall(reference, vectors)
     passed = bool(cos.mean() >= gate.min_cosine_mean and recall >= gate.min_recall_at_10)
     return PrecisionReport(
-        precision, device, float(cos.mean()), float(cos.min()), recall, rate, passed, engine
+        precision, plan.device, float(cos.mean()), float(cos.min()), recall, rate, passed, engine
     )
 
 
@@ -208,9 +230,10 @@ def _identity(model: str | ModelSpec) -> str:
     return _spec(model).identity
 
 
-def _cache_key(model: str | ModelSpec, device: str) -> str:
+def _cache_key(model: str | ModelSpec, device: str, plan: CpuPlan | None) -> str:
     hardware = cpu_model() if device == "cpu" else _gpu_model()
-    return f"{_identity(model)}|{device}|{hardware}"
+    plan = plan or layout_of(device)
+    return f"{_identity(model)}|{device}|{hardware}|{plan.replicas}x{plan.threads_per_replica}"
 
 
 def cpu_model() -> str:
@@ -230,14 +253,18 @@ def _gpu_model() -> str:
 
 
 def remember(
-    model: str | ModelSpec, device: str, gate: Gate, reports: list[PrecisionReport]
+    model: str | ModelSpec,
+    device: str,
+    gate: Gate,
+    reports: list[PrecisionReport],
+    plan: CpuPlan | None = None,
 ) -> None:
     path = cache_path()
     try:
         data = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, json.JSONDecodeError):
         data = {}
-    data[_cache_key(model, device)] = {
+    data[_cache_key(model, device, plan)] = {
         "choice": choose(reports).precision,
         "gate": asdict(gate),
         "reports": [asdict(r) for r in reports],
@@ -252,13 +279,15 @@ def remember(
         log.warning("could not remember the precision choice in %s: %s", path, exc)
 
 
-def remembered(model: str | ModelSpec, device: str, gate: Gate) -> list[PrecisionReport] | None:
-    """The reports measured for this model and device under this gate, where they
+def remembered(
+    model: str | ModelSpec, device: str, gate: Gate, plan: CpuPlan | None = None
+) -> list[PrecisionReport] | None:
+    """The reports measured for this model, device and layout under this gate, where they
     cover every precision the device now offers (an engine installed since, or a
     release that adds one, measures again)."""
     path = cache_path()
     try:
-        entry = json.loads(path.read_text()).get(_cache_key(model, device))
+        entry = json.loads(path.read_text()).get(_cache_key(model, device, plan))
         if not entry or entry.get("gate") != asdict(gate):
             return None
         reports = [PrecisionReport(**r) for r in entry["reports"]]
@@ -275,23 +304,25 @@ def resolve_precision(
     texts: Callable[[], list[str]],
     gate: Gate = Gate(),
     allowed: tuple[str, ...] | None = None,
+    plan: CpuPlan | None = None,
 ) -> str:
     """A concrete precision for `requested` (which may be 'auto'). `texts` gives the
     sample to measure on: built only when a measurement is due (gathering the
     stdlib sample took seconds of the worker's start-up). `allowed`: the precisions
-    auto may pick (an output's vectors admit only those of their kind)."""
+    auto may pick (an output's vectors admit only those of their kind). `plan`: the
+    worker's layout, which each candidate is measured in (None: `layout_of`)."""
     if requested != "auto":
         return requested
     device = pick_device(device)
-    reports = remembered(model, device, gate)
+    reports = remembered(model, device, gate, plan)
     if reports is not None:
         best = choose(reports, allowed)
         log.info("precision auto: %s (remembered for this model and device)", best.precision)
         return best.precision
     sample = texts()
     log.info("precision auto: measuring candidates against fp32 on %d texts", len(sample))
-    reports = check_precisions(model, device, sample, None, gate)
-    remember(model, device, gate, reports)
+    reports = check_precisions(model, device, sample, None, gate, plan=plan)
+    remember(model, device, gate, reports, plan)
     best = choose(reports, allowed)
     log.info(
         "precision auto: %s on %s (cosine %.4f, recall@10 %.3f, %.0f texts/s; %s)",
