@@ -49,12 +49,14 @@ def run(config: WorkerConfig) -> RunSummary:
     if config.model.device == "cpu" or (config.model.device == "auto" and not _nvidia_present()):
         use_one_malloc_arena()
     log.info("configuration: %s", json.dumps(config.redacted(), sort_keys=True))
+    # First: a stop asked for during the seconds of start-up is a clean stop, not a
+    # death by SIGTERM (a worker stopped 3 s after its start exited -15).
+    shutdown = threading.Event()
+    _install_signal_handlers(shutdown)
     _check_cluster(config)  # fail fast, before the seconds a model load takes
     # What the model is, from its files, and whether the output holds another one's
     # vectors: refused in seconds, before any weights load.
     spec, allowed = _model_spec(config)
-    shutdown = threading.Event()
-    _install_signal_handlers(shutdown)
     # The model (torch's import included) loads while the worker checks the
     # cluster and its outputs; the worker waits for it before the first write.
     model = start_on_fresh_thread(
