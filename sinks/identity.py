@@ -251,10 +251,12 @@ def _flags_for(recorded: Mapping[str, str], model: ModelInfo) -> str:
     if dimensions and dimensions != str(model.truncate_dim or ""):
         flags += f" --dimensions {dimensions}"
     held = _precision_kind(recorded.get("precision"), recorded.get("calibration"))
-    if held is not None and held != _precision_kind(model.precision, model.calibration):
-        # auto follows the kind an output holds; int8 of another recipe needs the
-        # release that made it.
-        flags += " --precision auto"
+    ours = _precision_kind(model.precision, model.calibration)
+    if held is not None and held != ours:
+        if held.startswith("int8") and model.precision == "int8":
+            # int8 of another recipe: only the release that made it makes it.
+            return f"{flags}, with the release whose int8 recipe it holds"
+        flags += " --precision auto"  # auto follows the kind an output holds
     return flags
 
 

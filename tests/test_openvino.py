@@ -5,6 +5,7 @@ and recipe in the outputs' metadata; its layouts giving the same vectors."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,10 +25,27 @@ pytestmark = pytest.mark.skipif(not openvino_engine.available(), reason="no Open
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One calibrated int8 model (seconds of NNCF) that the tests below copy."""
+    home = tmp_path_factory.mktemp("converted")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(home))
+        Embedder.load("default", "int8", "cpu").close()
+    return home / "embedding-pipeline" / "openvino"
+
+
 @pytest.fixture
-def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     return tmp_path / "embedding-pipeline" / "openvino"
+
+
+@pytest.fixture
+def cache_home(empty_cache: Path, converted: Path) -> Path:
+    """A cache holding the int8 model as a first start left it."""
+    shutil.copytree(converted, empty_cache)
+    return empty_cache
 
 
 @pytest.fixture
@@ -93,7 +111,7 @@ def test_a_damaged_cache_is_converted_again(
 
 
 def test_replicas_give_the_same_vectors(int8: Embedder, texts: list[str]) -> None:
-    """Two OpenVINO streams, a request per replica thread: the same vectors as one."""
+    """Two replicas taking turns on the one infer request: the same vectors as one."""
     two = int8.with_replicas(2)
     try:
         assert cosine_rows(two.embed(texts), int8.embed(texts)).min() > 0.99999
@@ -101,7 +119,7 @@ def test_replicas_give_the_same_vectors(int8: Embedder, texts: list[str]) -> Non
         two.close()
 
 
-def test_workers_converting_at_once_share_one_cached_model(cache_home: Path) -> None:
+def test_workers_converting_at_once_share_one_cached_model(empty_cache: Path) -> None:
     """Two processes on an empty cache: both load, one model folder is left."""
     code = (
         "from pipeline.model.embedder import Embedder;"
@@ -118,10 +136,10 @@ def test_workers_converting_at_once_share_one_cached_model(cache_home: Path) -> 
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err.decode()[-2000:]
         assert b"(1, 384)" in out
-    assert [p.name for p in cache_home.iterdir() if p.is_dir()] and all(
-        not p.name.startswith(".converting") for p in cache_home.iterdir()
+    assert [p.name for p in empty_cache.iterdir() if p.is_dir()] and all(
+        not p.name.startswith(".converting") for p in empty_cache.iterdir()
     )
-    assert len(list(cache_home.iterdir())) == 1
+    assert len(list(empty_cache.iterdir())) == 1
 
 
 def test_int8_is_for_the_cpu_and_openvino_for_fp32_and_int8() -> None:
