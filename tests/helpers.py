@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,6 +155,30 @@ def run_until_end(
         text=True,
         timeout=timeout,
     )
+
+
+def log_count(log: Path, pattern: str) -> int:
+    """How many times the regex `pattern` matches in `log` (0 before it exists)."""
+    return len(re.findall(pattern, log.read_text(errors="replace"))) if log.exists() else 0
+
+
+def wait_for_log(
+    log: Path,
+    pattern: str,
+    count: int = 1,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout: float = 180,
+) -> None:
+    """Until the regex `pattern` matches `count` times in `log`: a phase a worker
+    reached, not a guess at how long it takes on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while log_count(log, pattern) < count:
+        exited = proc is not None and proc.poll() is not None
+        if exited or time.monotonic() > deadline:
+            why = f"the worker exited {proc.returncode}" if exited and proc else f"{timeout:.0f}s"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            raise AssertionError(f"{pattern!r} not {count} time(s) in {log} ({why}):\n{tail}")
+        time.sleep(0.1)
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 120) -> int:

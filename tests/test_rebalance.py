@@ -6,6 +6,7 @@ workers' own account."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -18,11 +19,13 @@ from tests.helpers import (
     corpus_records,
     duplicates,
     index_rows,
+    log_count,
     output_rows,
     publish_json,
     run_until_end,
     start_worker,
     stop,
+    wait_for_log,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -121,14 +124,20 @@ def test_a_worker_stalled_past_its_session_timeout_doubles_nothing(
     options = ("--batch-size", "64", *FAST_GROUP, *model)
     logs_ = (tmp_path / "a.log", tmp_path / "b.log")
     stalled = start_worker(broker, topic, group_id, out, *options, log=logs_[0])
-    time.sleep(12)  # model loaded, first batches on their way
+    wait_for_log(logs_[0], "partitions joined the group", proc=stalled)
     other = start_worker(broker, topic, group_id, out, *options, log=logs_[1])
-    time.sleep(8)
+    wait_for_log(logs_[1], rf"joined the group[^:\n]*: assigned {re.escape(topic)}\[", proc=other)
+    time.sleep(2)  # batches on their way in both
     stalled.send_signal(signal.SIGSTOP)
     publish_json(broker, topic, corpus_records(400, seed=1), partitions=2)
-    time.sleep(12)  # the group evicts it and the other worker takes its partitions
+    # Evicted (6 s of session): the other worker is assigned its partition.
+    taken = rf"rebalanced[^\n]*: assigned {re.escape(topic)}\["
+    wait_for_log(logs_[1], taken, proc=other)
+    time.sleep(2)  # the other embeds the stalled one's records meanwhile
+    back_in = taken
+    before = log_count(logs_[0], back_in)
     stalled.send_signal(signal.SIGCONT)
-    time.sleep(8)
+    wait_for_log(logs_[0], back_in, before + 1, proc=stalled)  # rejoined, a partition again
     assert stop(stalled) == 0, logs(*logs_)
     assert stop(other) == 0, logs(*logs_)
     assert duplicates(output_rows(out)) == [], logs(*logs_)
