@@ -253,7 +253,7 @@ def _flags_for(recorded: Mapping[str, str], model: ModelInfo) -> str:
     held = _precision_kind(recorded.get("precision"), recorded.get("calibration"))
     ours = _precision_kind(model.precision, model.calibration)
     if held is not None and held != ours:
-        if held.startswith("int8") and model.precision == "int8":
+        if recorded.get("precision") == model.precision == "int8":
             # int8 of another recipe: only the release that made it makes it.
             return f"{flags}, with the release whose int8 recipe it holds"
         flags += " --precision auto"  # auto follows the kind an output holds

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One calibrated int8 model (seconds of NNCF) that the tests below copy."""
+    """One converted and compressed int8 model (seconds of NNCF) that the tests
+    below copy into their own caches."""
     home = tmp_path_factory.mktemp("converted")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(home))
