@@ -123,6 +123,9 @@ class OffsetCommitter:
         self._gate = RetryGate(Backoff(retry_s, factor=1.0))  # `retry_s` after the try
         self.committed: dict[TopicPartitionKey, int] = {}
         self.failures = 0
+        # The last commit failed because the group is rebalancing (retried once the
+        # worker has rejoined; a worker that stops does not rejoin).
+        self.rebalancing = False
         self._last_warned = float("-inf")
 
     @property
@@ -217,6 +220,7 @@ class OffsetCommitter:
             self._failed(now, error)
             return None
         self._gate.succeeded()
+        self.rebalancing = False
         for key, offset in sent.offsets.items():
             if offset > self.committed.get(key, -1):
                 self.committed[key] = offset
@@ -229,7 +233,8 @@ class OffsetCommitter:
         self.failures += 1
         first = self._gate.failing_since is None
         self._gate.failed(now, tried_at=self._last_try)
-        if isinstance(exc, _REBALANCING):
+        self.rebalancing = isinstance(exc, _REBALANCING)
+        if self.rebalancing:
             # The group is rebalancing: expected, retried, and its one line is the
             # rebalance's own (consumers.partitions.RebalanceLog).
             log.debug("offset commit failed during a rebalance (retrying): %s", exc)

@@ -4,6 +4,7 @@ retried with what is pending then; partitions given up never come back."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import kafka.errors as kerrors
@@ -142,3 +143,49 @@ def test_commits_failing_in_a_rebalance_log_no_warning_and_others_one_per_streak
         committer.commit(now)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "KafkaTimeoutError" in warnings[0]
+
+
+class Stopping:
+    """Stands for a worker as it stops: the committer and its commit loop
+    (`Worker._flush_commits` runs on it), its commits answered as `answer` says."""
+
+    def __init__(self, answer: BaseException | None) -> None:
+        self._committer, self.coordinator, ownership = make(retry_s=0.05)
+        self._committer.add(published(ownership, 1, a=10))
+        self.answer = answer
+
+    def _collect_published(self, wait_s: float = 0.0) -> None:
+        self._committer.commit(time.monotonic(), wait_s)
+        for _, future in self.coordinator.sent:
+            if not future.is_done:
+                future.failure(self.answer) if self.answer else future.success(None)
+
+
+def test_a_stopping_worker_does_not_wait_for_commits_a_rebalance_refuses(caplog: Any) -> None:
+    """A stopping worker does not rejoin: a commit refused because the group is
+    rebalancing could only succeed in a generation it will not be part of. Workers
+    stopped together waited out the whole shutdown timeout for it."""
+    import logging
+
+    from consumers.worker import Worker
+
+    caplog.set_level(logging.INFO, logger="consumers.worker")
+    refused = Stopping(kerrors.RebalanceInProgressError())
+    started = time.monotonic()
+    Worker._flush_commits(refused, 60.0)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5.0
+    assert refused._committer.has_pending and refused._committer.rebalancing
+    assert "the group is rebalancing" in caplog.text and "not acknowledged" not in caplog.text
+
+    # Another failure is retried until the timeout, as before.
+    failing = Stopping(kerrors.KafkaTimeoutError())
+    Worker._flush_commits(failing, 0.5)  # type: ignore[arg-type]
+    assert len(failing.coordinator.sent) > 1 and failing._committer.has_pending
+    assert "not acknowledged after" in caplog.text
+
+    # A rebalance refusal from before the stop (the worker has rejoined since) does not
+    # end the wait: the commit is sent again, and answered.
+    rejoined = Stopping(None)
+    rejoined._committer.rebalancing = True
+    Worker._flush_commits(rejoined, 60.0)  # type: ignore[arg-type]
+    assert not rejoined._committer.has_pending and rejoined._committer.committed == {A: 10}

@@ -25,6 +25,8 @@ from tests.helpers import worker_args, worker_env
 INTERNALS = (
     "_coordinator.heartbeat.last_send",
     "_coordinator.heartbeat.received_heartbeat",
+    "_coordinator._process_join_group_response",
+    "_coordinator._process_sync_group_response",
     "_coordinator.need_rejoin",
     "_coordinator.reset_generation",
     "_coordinator.rejoining",
@@ -66,6 +68,46 @@ def test_the_lease_counts_from_when_the_answered_heartbeat_was_sent() -> None:
         heartbeat.reset_timeouts()  # the coordinator found again
         assert not internals.heard_within(consumer, 4.0)
         assert internals.heard_within(consumer, 11.0)
+    finally:
+        consumer.close(autocommit=False, timeout_ms=100)
+
+
+def test_a_completed_join_counts_from_when_its_join_group_was_sent() -> None:
+    """The coordinator starts a member's session as it completes the join: a member that
+    just joined may publish before its first heartbeat is answered, its lease counted
+    from its JoinGroup's send; a join whose SyncGroup failed renews nothing."""
+
+    def join(response: str, send_time: float) -> None:
+        if response == "failed":
+            raise kerrors.UnknownMemberIdError()
+
+    def sync(response: str, send_time: float) -> bytes:
+        if response == "failed":
+            raise kerrors.RebalanceInProgressError()
+        return b""
+
+    consumer = KafkaConsumer(bootstrap_servers="127.0.0.1:1", api_version=(3, 0), group_id="g")
+    try:
+        coordinator = consumer._coordinator
+        # kafka-python's own answers need a live group: these stand for them, answered
+        # as kafka-python classifies them (return, or raise).
+        coordinator._process_join_group_response = join
+        coordinator._process_sync_group_response = sync
+        internals.track_heartbeats(consumer)
+        sent = time.monotonic() - 10.0  # a JoinGroup the coordinator held for 10 s
+        coordinator._process_join_group_response("joined", sent)
+        with pytest.raises(kerrors.RebalanceInProgressError):
+            coordinator._process_sync_group_response("failed", time.monotonic())
+        assert not internals.heard_within(consumer, 60.0)
+        with pytest.raises(kerrors.UnknownMemberIdError):
+            coordinator._process_join_group_response("failed", time.monotonic())
+        assert not internals.heard_within(consumer, 60.0)
+
+        coordinator._process_join_group_response("joined", sent)
+        assert not internals.heard_within(consumer, 60.0)  # joined, not yet synced
+        coordinator._process_sync_group_response("synced", time.monotonic())
+        assert internals.heard_within(consumer, 11.0)
+        assert not internals.heard_within(consumer, 9.0)  # from the send, not the answer
     finally:
         consumer.close(autocommit=False, timeout_ms=100)
 
@@ -117,6 +159,8 @@ def complete_consumer() -> SimpleNamespace:
     return SimpleNamespace(
         _coordinator=SimpleNamespace(
             heartbeat=heartbeat,
+            _process_join_group_response=lambda response, send_time: None,
+            _process_sync_group_response=lambda response, send_time: b"",
             need_rejoin=lambda: False,
             reset_generation=lambda: None,
             rejoining=False,

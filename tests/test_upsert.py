@@ -238,8 +238,10 @@ def test_updates_and_deletes_land_once_through_a_sigkill(
     topic = make_topic(partitions=3)
     publish_documents(broker, topic, 3000, keys=400, seed=11)
     output: str | Path = request.getfixturevalue("s3_url") if where == "s3" else tmp_path / "out"
+    # A short session: the run to the end joins once the group has dropped the killed
+    # worker (at the default 45 s it waited 42 s for that).
     extra = ("--write-mode", "upsert", "--model", tiny_model, "--batch-size", "64",
-             "--view-sync-interval-s", "0.2")  # fmt: skip
+             "--view-sync-interval-s", "0.2", "--session-timeout-ms", "6000")  # fmt: skip
     worker = start_worker(broker, topic, group_id, output, *extra, log=tmp_path / "w1.log")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and worker.poll() is None:

@@ -8,9 +8,11 @@ naming each part and what it serves, never run without it.
 
 - `Fetcher.PartitionRecords`: replaced by the batch decoder (record_batches, which
   refuses a kafka-python whose code it does not mirror itself).
-- `consumer._coordinator.heartbeat.last_send` and `.received_heartbeat()`: when the
-  group last heard this member (the lease under which the write stage sends dead
-  letters and publishes: consumers.stages, consumers.dead_letters).
+- `consumer._coordinator.heartbeat.last_send` and `.received_heartbeat()`, and the
+  coordinator's `_process_join_group_response()` and `_process_sync_group_response()`
+  (a join answered, with when it was sent): when the group last heard this member
+  (the lease under which the write stage sends dead letters and publishes:
+  consumers.stages, consumers.dead_letters).
 - `consumer._coordinator.reset_generation()` and `.rejoining`: a member the group
   dropped while rejoining gives up its partitions first (`lose_partitions_on_reset`).
 - `consumer._fetcher._paused_partition_records` and `._next_partition_records`:
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 _FEATURES = {
     "_coordinator.heartbeat.last_send": "the publish lease",
     "_coordinator.heartbeat.received_heartbeat": "the publish lease",
+    "_coordinator._process_join_group_response": "the publish lease",
+    "_coordinator._process_sync_group_response": "the publish lease",
     "_coordinator.need_rejoin": "the rebalance log line",
     "_coordinator.reset_generation": "partitions lost when the group drops this member",
     "_coordinator.rejoining": "partitions lost when the group drops this member",
@@ -65,6 +69,9 @@ def missing(consumer: Any) -> list[str]:
         absent.append("_coordinator.heartbeat.last_send")
     if not callable(getattr(heartbeat, "received_heartbeat", None)):
         absent.append("_coordinator.heartbeat.received_heartbeat")
+    for name in ("_process_join_group_response", "_process_sync_group_response"):
+        if not callable(getattr(coordinator, name, None)):
+            absent.append(f"_coordinator.{name}")
     if not callable(getattr(coordinator, "need_rejoin", None)):
         absent.append("_coordinator.need_rejoin")
     if not callable(getattr(coordinator, "reset_generation", None)):
@@ -98,16 +105,42 @@ def track_heartbeats(consumer: Any) -> None:
     """Records, as each heartbeat is answered, when that heartbeat was sent (kafka-python
     keeps only when an answer was read, and `last_reset` moves when the coordinator is
     found again, as after a stall: neither says when the group last heard this member).
-    One heartbeat is out at a time, so `last_send` is the answered one's send time."""
-    heartbeat = consumer._coordinator.heartbeat
+    One heartbeat is out at a time, so `last_send` is the answered one's send time.
+
+    A join the group completed counts too, from when its JoinGroup was sent: the
+    coordinator starts each member's session as it completes the join, after that
+    send. Without it a member that just joined would publish nothing until its first
+    heartbeat was answered (up to a heartbeat interval on every start)."""
+    coordinator = consumer._coordinator
+    heartbeat = coordinator.heartbeat
     answered = heartbeat.received_heartbeat
+    joined, synced = (
+        coordinator._process_join_group_response,
+        coordinator._process_sync_group_response,
+    )
     heartbeat.pipeline_heard_at = float("-inf")
+    join_sent = [float("-inf")]
 
     def received() -> None:
         heartbeat.pipeline_heard_at = heartbeat.last_send
         answered()
 
+    def join_answered(response: Any, send_time: float) -> Any:
+        join_sent[0] = float("-inf")
+        result = joined(response, send_time)  # raises where the join failed
+        join_sent[0] = send_time
+        return result
+
+    def sync_answered(response: Any, send_time: float) -> Any:
+        # Each attempt is a JoinGroup, then its SyncGroup: this one's join is join_sent.
+        sent, join_sent[0] = join_sent[0], float("-inf")
+        result = synced(response, send_time)  # raises where the sync failed
+        heartbeat.pipeline_heard_at = max(heartbeat.pipeline_heard_at, sent)
+        return result
+
     heartbeat.received_heartbeat = received
+    coordinator._process_join_group_response = join_answered
+    coordinator._process_sync_group_response = sync_answered
 
 
 def lose_partitions_on_reset(consumer: Any) -> None:
