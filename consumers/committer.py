@@ -17,7 +17,7 @@ For each micro-batch, in batch order:
              the consumer thread, again only for partitions still owned. Commits
              are sent without waiting for the broker's answer (one out at a
              time, the latest offsets in the next); the worker waits for the
-             answers only as it stops (`Worker._flush_commits`), and a partition
+             answers only as it stops (`OffsetCommitter.flush`), and a partition
              counts as committed only once acknowledged.
 
 So an offset is committed only when every record below it is in a published
@@ -180,6 +180,32 @@ class OffsetCommitter:
         self._sent = _Sent(future, sent, self._opened, time.perf_counter())
         self._opened = []
         return acknowledged
+
+    def flush(self, collect: Callable[[float], None], timeout_s: float) -> None:
+        """As the worker stops: calls `collect(wait_s)` (which commits what was
+        published, waiting up to wait_s for the answer) until nothing is pending, for
+        at most `timeout_s`. A commit refused because the group is rebalancing is not
+        waited for: a stopping worker does not rejoin, so it could only succeed in a
+        generation this worker will not be part of (workers stopped together waited
+        out the whole timeout, each one's leaving a rebalance for the others)."""
+        deadline = time.monotonic() + timeout_s
+        failures = self.failures
+        while self.has_pending and time.monotonic() < deadline:
+            collect(min(0.5, max(0.0, deadline - time.monotonic())))
+            if self.rebalancing and self.failures > failures:
+                log.info(
+                    "shutdown: the group is rebalancing, so offsets are left uncommitted; "
+                    "the partitions' next owner resumes where the outputs end"
+                )
+                return
+            if not self.sending:
+                time.sleep(0.05)  # a failed commit's retry pause
+        if self.has_pending:
+            log.warning(
+                "shutdown: offsets not acknowledged after %.0fs; a restart resumes from the "
+                "outputs, which hold everything published",
+                timeout_s,
+            )
 
     @property
     def sending(self) -> bool:

@@ -434,31 +434,10 @@ class Worker:
         self.metrics.in_flight.set(len(self.in_flight))
 
     def _flush_commits(self, timeout_s: float) -> None:
-        """Waits for the answers to the commits of everything published (as the
-        worker stops): commits are otherwise sent without waiting. A commit refused
-        because the group is rebalancing is not waited for: a stopping worker does not
-        rejoin, so it could only succeed in another generation, which this worker will
-        not be part of. (Workers stopped together waited out the whole timeout, each
-        one's leaving a rebalance for the others.)"""
+        """Waits (bounded) for the answers to the commits of everything published, as
+        the worker stops: commits are otherwise sent without waiting."""
         assert self._committer is not None
-        deadline = time.monotonic() + timeout_s
-        failures = self._committer.failures
-        while self._committer.has_pending and time.monotonic() < deadline:
-            self._collect_published(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
-            if self._committer.rebalancing and self._committer.failures > failures:
-                log.info(
-                    "shutdown: the group is rebalancing, so offsets are left uncommitted; "
-                    "the partitions' next owner resumes where the outputs end"
-                )
-                return
-            if not self._committer.sending:
-                time.sleep(0.05)  # a failed commit's retry pause
-        if self._committer.has_pending:
-            log.warning(
-                "shutdown: offsets not acknowledged after %.0fs; a restart resumes from the "
-                "outputs, which hold everything published",
-                timeout_s,
-            )
+        self._committer.flush(self._collect_published, timeout_s)
 
     def _check_cluster_health(self, failing_since: float | None, what: str) -> None:
         if failing_since is None:

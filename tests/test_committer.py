@@ -146,16 +146,16 @@ def test_commits_failing_in_a_rebalance_log_no_warning_and_others_one_per_streak
 
 
 class Stopping:
-    """Stands for a worker as it stops: the committer and its commit loop
-    (`Worker._flush_commits` runs on it), its commits answered as `answer` says."""
+    """Stands for a worker as it stops: its committer, and the commit step it flushes
+    with, its commits answered as `answer` says."""
 
     def __init__(self, answer: BaseException | None) -> None:
-        self._committer, self.coordinator, ownership = make(retry_s=0.05)
-        self._committer.add(published(ownership, 1, a=10))
+        self.committer, self.coordinator, ownership = make(retry_s=0.05)
+        self.committer.add(published(ownership, 1, a=10))
         self.answer = answer
 
-    def _collect_published(self, wait_s: float = 0.0) -> None:
-        self._committer.commit(time.monotonic(), wait_s)
+    def collect(self, wait_s: float) -> None:
+        self.committer.commit(time.monotonic(), wait_s)
         for _, future in self.coordinator.sent:
             if not future.is_done:
                 future.failure(self.answer) if self.answer else future.success(None)
@@ -167,25 +167,23 @@ def test_a_stopping_worker_does_not_wait_for_commits_a_rebalance_refuses(caplog:
     stopped together waited out the whole shutdown timeout for it."""
     import logging
 
-    from consumers.worker import Worker
-
-    caplog.set_level(logging.INFO, logger="consumers.worker")
+    caplog.set_level(logging.INFO, logger="consumers.committer")
     refused = Stopping(kerrors.RebalanceInProgressError())
     started = time.monotonic()
-    Worker._flush_commits(refused, 60.0)  # type: ignore[arg-type]
+    refused.committer.flush(refused.collect, 60.0)
     assert time.monotonic() - started < 5.0
-    assert refused._committer.has_pending and refused._committer.rebalancing
+    assert refused.committer.has_pending and refused.committer.rebalancing
     assert "the group is rebalancing" in caplog.text and "not acknowledged" not in caplog.text
 
     # Another failure is retried until the timeout, as before.
     failing = Stopping(kerrors.KafkaTimeoutError())
-    Worker._flush_commits(failing, 0.5)  # type: ignore[arg-type]
-    assert len(failing.coordinator.sent) > 1 and failing._committer.has_pending
+    failing.committer.flush(failing.collect, 0.5)
+    assert len(failing.coordinator.sent) > 1 and failing.committer.has_pending
     assert "not acknowledged after" in caplog.text
 
     # A rebalance refusal from before the stop (the worker has rejoined since) does not
     # end the wait: the commit is sent again, and answered.
     rejoined = Stopping(None)
-    rejoined._committer.rebalancing = True
-    Worker._flush_commits(rejoined, 60.0)  # type: ignore[arg-type]
-    assert not rejoined._committer.has_pending and rejoined._committer.committed == {A: 10}
+    rejoined.committer.rebalancing = True
+    rejoined.committer.flush(rejoined.collect, 60.0)
+    assert not rejoined.committer.has_pending and rejoined.committer.committed == {A: 10}
