@@ -71,11 +71,14 @@ def account(summary: RunSummary, metrics: WorkerMetrics, published: PublishedBat
     metrics.batches.inc()
 
 
-def time_spent(metrics: WorkerMetrics, since: os.times_result | None = None) -> str:
+def time_spent(
+    metrics: WorkerMetrics, since: os.times_result | None = None, engine_cpu_s: float = 0.0
+) -> str:
     """Seconds in each stage's work (the embed stage's forward passes and pooling, the
     write stage's files and index, the commits) and the CPU seconds of this process
-    since `since` (the first record: start-up left out) and of its ended children (the
-    tokenizer processes: parsing and tokenizing big polls): where a run's time goes,
+    since `since` (the first record: start-up left out), of its ended children (the
+    tokenizer processes: parsing and tokenizing big polls) and of the model's engine
+    processes (`engine_cpu_s`, OpenVINO's replicas: passes): where a run's time goes,
     to compare with its busy seconds."""
     now = os.times()
     own = now.user + now.system - (since.user + since.system if since is not None else 0.0)
@@ -90,6 +93,7 @@ def time_spent(metrics: WorkerMetrics, since: os.times_result | None = None) -> 
     return (
         f"time in stages: {stages}; CPU: worker {own:.1f}s, "
         f"tokenizer processes {now.children_user + now.children_system:.1f}s"
+        + (f", engine processes {engine_cpu_s:.1f}s" if engine_cpu_s else "")
     )
 
 

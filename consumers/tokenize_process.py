@@ -27,7 +27,6 @@ a bad record): it ends the worker with the child's traceback (`TokenizerChildErr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
@@ -36,7 +35,6 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -44,6 +42,7 @@ import numpy as np
 
 from pipeline.core.chunks import Chunking
 from pipeline.core.errors import PipelineError
+from pipeline.core.host import how_child_ended
 from pipeline.core.records import (
     BadRecord,
     GoodRecord,
@@ -207,13 +206,8 @@ class TokenizerProcess:
         return message
 
     def _gone(self) -> PipelineError:
-        try:  # its end of the socket closes a moment before it can be reaped
-            code = self._child.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            code = None
-        how = "stopped answering" if code is None else f"exited with code {code}"
         return PipelineError(
-            f"the tokenizer process {how}; restart the worker "
+            f"the tokenizer process {how_child_ended(self._child)}; restart the worker "
             "(or run it with --tokenizer-process off)"
         )
 
@@ -270,25 +264,13 @@ def _views(flat: Any, offsets: Any) -> list[memoryview]:
 
 def main() -> None:
     """The child: argv = SOCKET_FD MAX_LENGTH PARENT_PID."""
-    from pipeline.core.host import die_with_parent
+    from pipeline.core.host import die_with_parent, serve_as_child
 
     fd, max_length, parent = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    # Signals to the whole group (Ctrl-C, a service manager stopping the unit) are the
-    # worker's to act on: it drains, with this child's help, then closes it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         return  # the worker died before the death signal was armed
-    conn = Connection(fd)
-    try:
-        _serve(conn, max_length)
-    except (EOFError, ConnectionError):
-        return  # the worker closed its end, or is gone
-    except Exception:  # a bug: its traceback goes to the worker, which stops with it
-        with contextlib.suppress(OSError):
-            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-        sys.exit(1)
+    serve_as_child(fd, lambda conn: _serve(conn, max_length), "error")
 
 
 def _serve(conn: Connection, max_length: int) -> None:

@@ -568,7 +568,10 @@ class Worker:
             self._bulk.close()
         if not any(stage.error for stage in self._stages):
             derived.catch_up(self.index, self.view, self.metrics, starting=False)
-        self.summary.time_spent = time_spent(self.metrics, self.summary.cpu_at_first_record)
+        engine_cpu_s = self.embedder.engine_cpu_seconds() if hasattr(self, "embedder") else 0.0
+        self.summary.time_spent = time_spent(
+            self.metrics, self.summary.cpu_at_first_record, engine_cpu_s
+        )
 
 
 def _take_all(source: queue.Queue[T]) -> Iterator[T]:

@@ -5,7 +5,9 @@ For each backlog (`--backlogs`, records of short real text published to a fresh
 topic before the worker starts; the stdlib sample cycled, so every backlog has
 the same mix of lengths) and each variant (`--variants`, extra worker
 flags), one worker runs the backlog to the end with default settings; its peak
-RSS is the kernel's ru_maxrss of the child. The report puts the peaks side by
+RSS is that of the worker and its child processes (tokenizer, OpenVINO replicas)
+together, sampled every 0.1 s, with the kernel's ru_maxrss of the worker alone
+beside it. The report puts the peaks side by
 side and gives each variant's growth from the smallest backlog to the largest:
 a worker's memory must be bounded by its batches in flight, not by what waits
 in Kafka.
@@ -49,7 +51,11 @@ def peak_rss_mb(kafka: KafkaSettings, topic: str, extra: str, args: argparse.Nam
     run = worker.run_until_end(
         kafka, topic, Path(args.work), extra, *flags, "--cache", "off", timeout_s=7200
     )
-    return {"peak_rss_mb": run.peak_rss_mb, "seconds": run.seconds}
+    return {
+        "peak_rss_mb": run.peak_rss_mb,
+        "peak_tree_rss_mb": run.peak_tree_rss_mb,
+        "seconds": run.seconds,
+    }
 
 
 def main() -> int:
@@ -81,15 +87,20 @@ def main() -> int:
                 run = peak_rss_mb(kafka, topic, extra, args)
                 results.append({"variant": name, "backlog": backlog, **run})
                 print(
-                    f"  {name:<8} backlog {backlog:>7}: peak RSS {run['peak_rss_mb']:7.0f} MB "
-                    f"({run['seconds']:.0f}s)",
+                    f"  {name:<8} backlog {backlog:>7}: peak RSS {run['peak_tree_rss_mb']:7.0f} MB "
+                    f"(the worker alone {run['peak_rss_mb']:.0f} MB; {run['seconds']:.0f}s)",
                     flush=True,
                 )
         broker.delete(kafka, [topic], [])
-    print(f"memory: peak RSS by backlog, {args.precision}, own RSS {own_peak_rss_mb():.0f} MB")
+    print(
+        f"memory: peak RSS (the worker and its processes) by backlog, {args.precision}, "
+        f"own RSS {own_peak_rss_mb():.0f} MB"
+    )
     for name, _ in variants:
         peaks = {
-            b: [r["peak_rss_mb"] for r in results if r["variant"] == name and r["backlog"] == b]
+            b: [
+                r["peak_tree_rss_mb"] for r in results if r["variant"] == name and r["backlog"] == b
+            ]
             for b in backlogs
         }
         row = "  ".join(f"{b}: {_spread(peaks[b])}" for b in backlogs)

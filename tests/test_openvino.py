@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from pipeline.core.corpus import sample_texts
 from pipeline.core.errors import ModelError
+from pipeline.core.host import call_on_fresh_thread
 from pipeline.model import openvino_engine
 from pipeline.model.embedder import Embedder, _check_precision
 from pipeline.model.precision import cosine_rows
@@ -118,6 +121,102 @@ def test_replicas_give_the_same_vectors(int8: Embedder, texts: list[str]) -> Non
         assert cosine_rows(two.embed(texts), int8.embed(texts)).min() > 0.99999
     finally:
         two.close()
+
+
+@pytest.fixture
+def processes(int8: Embedder) -> Iterator[Embedder]:
+    """int8 laid out as a worker on two cores lays it out: a process per replica."""
+    two = int8.with_replicas(2, threads_per_replica=1)
+    yield two
+    two.close()
+
+
+def _children(embedder: Embedder) -> list[subprocess.Popen[bytes]]:
+    return [child.process for child in embedder._model._processes._children]  # type: ignore[union-attr]
+
+
+def test_a_process_per_replica_gives_the_vectors_of_one_request(
+    int8: Embedder, processes: Embedder, texts: list[str]
+) -> None:
+    assert isinstance(processes._model, openvino_engine.OpenVinoReplicas)
+    children = _children(processes)
+    assert len(children) == 2 and all(child.poll() is None for child in children)
+    assert cosine_rows(processes.embed(texts), int8.embed(texts)).min() > 0.99999
+    assert processes.engine_cpu_seconds() > 0
+    processes.close()
+    assert [child.poll() for child in children] == [0, 0]
+
+
+def test_replica_processes_outlive_the_thread_that_started_them(
+    int8: Embedder, texts: list[str]
+) -> None:
+    """A worker loads its model on a thread that ends when the model is loaded."""
+    two = call_on_fresh_thread(lambda: int8.with_replicas(2, threads_per_replica=1))
+    try:
+        time.sleep(0.5)
+        assert all(child.poll() is None for child in _children(two))
+        assert cosine_rows(two.embed(texts), int8.embed(texts)).min() > 0.99999
+    finally:
+        two.close()
+
+
+def test_a_replica_process_that_dies_ends_the_pass_with_one_line(
+    processes: Embedder, texts: list[str]
+) -> None:
+    for child in _children(processes):
+        child.kill()
+        child.wait()
+    with pytest.raises(ModelError, match=r"replica process \d exited with code -9"):
+        processes.embed(texts)
+
+
+def test_a_stuck_replica_process_is_stopped_after_the_pass_timeout(
+    processes: Embedder, texts: list[str]
+) -> None:
+    """A child that stops answering (SIGSTOP: a hung runtime) ends the pass with one
+    line after the pass timeout, and is killed; the caller does not hang."""
+    processes._model._processes.pass_timeout_s = 2.0  # type: ignore[union-attr]
+    children = _children(processes)
+    for child in children:
+        os.kill(child.pid, signal.SIGSTOP)
+    with pytest.raises(ModelError, match="did not finish a pass in 2 s: the engine is stuck"):
+        processes.embed(texts)
+    assert any(child.poll() == -signal.SIGKILL for child in children)
+    for child in children:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+
+
+def test_replica_processes_die_with_the_worker(cache_home: Path) -> None:
+    """A worker killed with SIGKILL (no cleanup of its own) leaves no engine process."""
+    code = (
+        "import time; from pipeline.model.embedder import Embedder;"
+        "e = Embedder.load('default', 'int8', 'cpu', replicas=2, threads_per_replica=1);"
+        "print(*[c.process.pid for c in e._model._processes._children], flush=True);"
+        "time.sleep(300)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    worker = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    try:
+        assert worker.stdout is not None
+        pids = [int(pid) for pid in worker.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped by init."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_workers_converting_at_once_share_one_cached_model(empty_cache: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
+from pipeline.model import openvino_engine
 from tests.helpers import (
     committed_offsets,
     corpus_records,
@@ -243,6 +244,62 @@ def test_kill_9_at_random_moments_then_restart_loses_and_duplicates_nothing(
 
 
 @pytest.mark.slow
+def _engine_processes(pid: int) -> list[int]:
+    """The OpenVINO replica processes among a worker's children."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"pipeline.model.engine_process" in cmdline:
+                found.append(int(child))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not openvino_engine.available(), reason="no OpenVINO")
+def test_an_int8_worker_killed_mid_stream_leaves_no_engine_process_and_restarts_exactly_once(
+    broker, make_topic, group_id, tmp_path
+):
+    """int8 runs a process per replica: a worker SIGKILLed mid-stream takes them with
+    it, and its restart lands every record once."""
+    topic = make_topic(partitions=3)
+    publish_json(broker, topic, corpus_records(600), partitions=3)
+    out = tmp_path / "out"
+    int8 = ["--precision", "int8", "--replicas", "2", "--torch-threads", "1"]
+    short = ["--session-timeout-ms", "6000", "--index-sync-interval-s", "1"]
+    proc = start_worker(
+        broker, topic, group_id, out, *int8, *short, "--batch-size", "32",
+        "--poll-timeout-ms", "100", log=tmp_path / "worker.log",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not output_rows(out) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        engines = _engine_processes(proc.pid)
+        assert output_rows(out) and len(engines) == 2, (tmp_path / "worker.log").read_text()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(map(_running, engines)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in engines if _running(pid)]
+
+    result = run_until_end(broker, topic, group_id, out, *int8, *short, timeout=600)
+
+    assert result.returncode == 0, result.stderr
+    _assert_exactly_once(broker, topic, out)
+    assert "engine processes" in result.stderr  # their CPU, in the done: line's account
+    meta = pq.read_schema(next((out / "vectors").glob("*.parquet"))).metadata
+    assert meta[b"embedding.precision"] == b"int8"
+
+
 def test_workers_joining_and_leaving_mid_run(broker, make_topic, group_id, tmp_path):
     topic = make_topic(partitions=4)
     publish_json(broker, topic, corpus_records(1200), partitions=4)

@@ -16,20 +16,25 @@ the thread that embeds later has the only one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import gc
 import math
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -158,6 +163,34 @@ def _libc() -> ctypes.CDLL | None:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
+
+
+def serve_as_child(fd: int, serve: Callable[[Connection], None], bug: str) -> None:
+    """A worker's child process: `serve` on the connection at `fd`. Signals to the
+    whole group (Ctrl-C, a service manager stopping the unit) are the worker's to act
+    on, which then closes the child; the connection closing ends it quietly; any
+    other exception is a bug, sent back as (`bug`, traceback), and exit status 1."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        serve(conn)
+    except (EOFError, ConnectionError):
+        return  # the worker closed its end, or is gone
+    except Exception:  # its traceback goes to the worker, which stops with it
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps((bug, traceback.format_exc())))
+        sys.exit(1)
+
+
+def how_child_ended(child: subprocess.Popen[Any]) -> str:
+    """How a child process whose connection closed or went silent ended: "exited
+    with code N", or "stopped answering" while it still runs."""
+    try:  # its end of a socket closes a moment before it can be reaped
+        code = child.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return "stopped answering"
+    return f"exited with code {code}"
 
 
 def process_age_s() -> float:

@@ -17,7 +17,9 @@ sharing one set of weights, each running its passes with a small OpenMP team (on
 thread by default). A multi-threaded pass stalls at every barrier when another
 process holds one of its cores; independent single-threaded passes do not, and
 they spend no time on small passes' fork/join. `plan_cpu` sizes both from the
-CPUs this process may really use (pipeline.core.host).
+CPUs this process may really use (pipeline.core.host). On OpenVINO (int8) each
+replica is a process with one stream of its own (pipeline.model.openvino_engine),
+its replica thread here handing it passes.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class Embedder:
         self._pad_id = spec.tokenizer.pad_token_id or 0
         self.engine = info.engine
         if self.engine == "openvino":
-            # Compiled for this many replicas: their threads share one stream.
+            # Compiled for this layout: several replicas are a process each.
             model = model.compile(replicas, threads_per_replica)
         self._model = model
         self.encoder = encoder
@@ -208,6 +210,12 @@ class Embedder:
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._tokenizers is not None:
             self._tokenizers.shutdown(wait=True, cancel_futures=True)
+        if self.engine == "openvino":
+            self._model.close()  # its replica processes, if any
+
+    def engine_cpu_seconds(self) -> float:
+        """CPU seconds of the engine's processes of its own (OpenVINO's replicas)."""
+        return self._model.cpu_seconds() if self.engine == "openvino" else 0.0
 
     @property
     def shape_plan(self) -> ShapePlan:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import ModelError
+from pipeline.model.engine_process import EngineProcesses, last_line
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -97,29 +98,52 @@ def cache_dir() -> Path:
 
 
 class OpenVinoNetwork:
-    """The network as OpenVINO runs it: hidden states of right-padded rows. The
-    replicas' threads take turns on one infer request of one OpenVINO stream of all
-    their threads: requests of their own that meet a new pass shape at once each
-    specialise it, concurrently, inside OpenVINO's thread pools, which on a loaded
-    2-core machine never finished (twice in our test runs; OpenVINO's own users report the same
-    of concurrent first passes, ultralytics issue 25923). Taking turns costs nothing
-    measurable: one stream runs one pass at a time anyway."""
+    """The network as OpenVINO runs it: hidden states of right-padded rows.
 
-    def __init__(self, model: Any, config: Any, precision: str) -> None:
+    Compiled for one replica (or for OpenVINO's own layout, every core), it runs in
+    this process: one stream, one infer request. Compiled for several single- or
+    few-threaded replicas, each replica is a process of its own
+    (pipeline.model.engine_process), so that no runtime ever runs two requests at
+    once: requests of their own in one runtime that met a new pass shape at once
+    specialised it concurrently, which on a loaded 2-core machine twice never
+    finished (as OpenVINO's users found: ultralytics issue 25923)."""
+
+    def __init__(self, model: Any, config: Any, precision: str, xml: Path) -> None:
         self.ov_model = model
         self.config = config  # the network's, for pass sizing (activation_bytes_per_token)
         self.precision = precision
+        self.xml = xml  # the cached model, which replica processes read
         self._compiled: Any = None
         self._request: Any = None
         self._turn = threading.Lock()
 
-    def compile(self, replicas: int, threads_per_replica: int | None) -> OpenVinoNetwork:
-        """A copy compiled for this layout (the model itself is shared)."""
+    def compile(
+        self, replicas: int, threads_per_replica: int | None
+    ) -> OpenVinoNetwork | OpenVinoReplicas:
+        """A copy compiled for this layout (the model itself is shared): in this
+        process for one replica, else a process per replica."""
         import openvino as ov
 
+        if replicas > 1 and threads_per_replica is not None:
+            properties = self._properties(threads_per_replica)
+            # Each process its own stream on cores the OS gives it: pinned, every
+            # process's one thread went to the same core.
+            properties["ENABLE_CPU_PINNING"] = False
+            processes = EngineProcesses(str(self.xml), properties, replicas, PASS_TIMEOUT_S)
+            return OpenVinoReplicas(self, processes)
+        threads = None if threads_per_replica is None else replicas * threads_per_replica
+        compiled = OpenVinoNetwork(self.ov_model, self.config, self.precision, self.xml)
+        compiled._compiled = ov.Core().compile_model(
+            self.ov_model, "CPU", self._properties(threads)
+        )
+        compiled._request = compiled._compiled.create_infer_request()
+        return compiled
+
+    def _properties(self, threads: int | None) -> dict[str, Any]:
+        """One stream of `threads` threads (None: OpenVINO's own, every core, as torch)."""
         properties: dict[str, Any] = {"NUM_STREAMS": "1"}
-        if threads_per_replica is not None:  # None: OpenVINO's own, every core (as torch)
-            properties["INFERENCE_NUM_THREADS"] = str(replicas * threads_per_replica)
+        if threads is not None:
+            properties["INFERENCE_NUM_THREADS"] = str(threads)
         if self.precision == "int8":
             # The operations left in floating point (attention's products, softmax,
             # normalisation) at OpenVINO's default: bf16 where the CPU has it natively
@@ -128,10 +152,7 @@ class OpenVinoNetwork:
             properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(GROUP_SIZE)
         else:
             properties["INFERENCE_PRECISION_HINT"] = "f32"  # fp32 means fp32 here
-        compiled = OpenVinoNetwork(self.ov_model, self.config, self.precision)
-        compiled._compiled = ov.Core().compile_model(self.ov_model, "CPU", properties)
-        compiled._request = compiled._compiled.create_infer_request()
-        return compiled
+        return properties
 
     def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Any:
         """The last hidden state (a torch tensor) of int64 ids and mask."""
@@ -146,7 +167,7 @@ class OpenVinoNetwork:
                 self._request.start_async({"input_ids": input_ids, "attention_mask": mask})
                 finished = self._request.wait_for(PASS_TIMEOUT_S * 1000)
             except RuntimeError as exc:  # the CPU lacks a kernel it needs (ONEDNN_MAX_CPU_ISA)
-                raise ModelError(f"OpenVINO cannot run this model here: {_last_line(exc)}") from exc
+                raise ModelError(f"OpenVINO cannot run this model here: {last_line(exc)}") from exc
             if not finished:
                 self._request.cancel()
                 raise self._stuck(input_ids.shape)
@@ -154,6 +175,13 @@ class OpenVinoNetwork:
             return torch.from_numpy(self._request.get_output_tensor(0).data.copy())
         finally:
             self._turn.release()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of processes of its own: none (it runs in this one)."""
+        return 0.0
+
+    def close(self) -> None:
+        """Nothing to end: the request goes with the object."""
 
     @staticmethod
     def _stuck(shape: tuple[int, ...]) -> ModelError:
@@ -164,10 +192,31 @@ class OpenVinoNetwork:
         )
 
 
-def _last_line(exc: Exception) -> str:
-    """OpenVINO's errors nest a line per layer; the cause is the last one with text."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+class OpenVinoReplicas:
+    """The network compiled into a process per replica (pipeline.model.engine_process):
+    the same calls as a compiled OpenVinoNetwork."""
+
+    def __init__(self, network: OpenVinoNetwork, processes: EngineProcesses) -> None:
+        self._network = network
+        self._processes = processes
+        self.config = network.config
+        self.precision = network.precision
+
+    def compile(
+        self, replicas: int, threads_per_replica: int | None
+    ) -> OpenVinoNetwork | OpenVinoReplicas:
+        return self._network.compile(replicas, threads_per_replica)
+
+    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Any:
+        import torch
+
+        return torch.from_numpy(self._processes.hidden(input_ids, mask))
+
+    def cpu_seconds(self) -> float:
+        return self._processes.cpu_seconds()
+
+    def close(self) -> None:
+        self._processes.close()
 
 
 def load(spec: ModelSpec, net: Any, native: bool, precision: str) -> OpenVinoNetwork:
@@ -188,7 +237,7 @@ def load(spec: ModelSpec, net: Any, native: bool, precision: str) -> OpenVinoNet
         if model is None:
             _convert(spec, net, native, precision, folder)
             model = ov.Core().read_model(str(folder / _XML))
-    return OpenVinoNetwork(model, getattr(net, "config", None), precision)
+    return OpenVinoNetwork(model, getattr(net, "config", None), precision, folder / _XML)
 
 
 def _read_cached(folder: Path) -> Any:

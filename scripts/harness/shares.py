@@ -9,6 +9,7 @@ _TIME_SPENT = re.compile(
     r"time in stages: embed (?P<embed>[\d.]+)s, write (?P<write>[\d.]+)s, "
     r"commit (?P<commit>[\d.]+)s; CPU: worker (?P<cpu>[\d.]+)s, "
     r"tokenizer processes (?P<tokenizer_cpu>[\d.]+)s"
+    r"(?:, engine processes (?P<engine_cpu>[\d.]+)s)?"
 )
 
 
@@ -17,7 +18,9 @@ def time_spent(done_line: str, busy_seconds: float) -> dict[str, float]:
     found = _TIME_SPENT.search(done_line)
     if found is None or busy_seconds <= 0:
         return {}
-    return {f"d_{k}": float(v) / busy_seconds for k, v in found.groupdict().items()}
+    return {
+        f"d_{k}": float(v) / busy_seconds for k, v in found.groupdict().items() if v is not None
+    }
 
 
 def render_shares(shares: dict[str, float]) -> list[str]:
@@ -33,5 +36,10 @@ def render_shares(shares: dict[str, float]) -> list[str]:
             f"write {shares['d_write']:.0%}, commit {shares['d_commit']:.0%}; CPU seconds per "
             f"busy second: worker {shares['d_cpu']:.2f}, tokenizer processes "
             f"{shares['d_tokenizer_cpu']:.2f}"
+            + (
+                f", engine processes {shares['d_engine_cpu']:.2f}"
+                if "d_engine_cpu" in shares
+                else ""
+            )
         )
     return lines

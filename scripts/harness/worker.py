@@ -96,6 +96,9 @@ class Outcome:
     stderr: str
     seconds: float  # process start to exit
     peak_rss_mb: float | None = None
+    # The peak of the worker's RSS and its live children's together (sampled): the
+    # tokenizer and engine processes hold memory of their own.
+    peak_tree_rss_mb: float | None = None
     startup_s: float | None = None  # process start to first record polled
     # CPU seconds from the first record polled to the `done:` line: the worker
     # process's own, and its children's (the tokenizer processes).
@@ -124,6 +127,7 @@ def run(
     )  # fmt: skip
     watchdog = threading.Timer(timeout_s, worker.kill)
     watchdog.start()
+    sampler = _TreeRss(worker.pid)
     lines: list[str] = []
     at_first = at_done = None
     assert worker.stderr is not None
@@ -138,11 +142,13 @@ def run(
         worker.returncode = os.waitstatus_to_exitcode(status)
     finally:
         watchdog.cancel()
+        sampler.stop()
     stderr = "".join(lines)
     if log is not None:
         log.write_text(stderr)
     outcome = Outcome(worker.returncode, stderr, time.monotonic() - began)
     outcome.peak_rss_mb = usage.ru_maxrss / 1024
+    outcome.peak_tree_rss_mb = max(sampler.peak_mb, outcome.peak_rss_mb)
     first = FIRST.search(stderr)
     outcome.startup_s = float(first["s"]) if first else None
     if at_first is not None and at_done is not None:
@@ -195,6 +201,46 @@ def tree_cpu_s(pid: int) -> tuple[float, float]:
         except (OSError, ValueError):
             continue  # exited meanwhile
     return own, descendants
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and its live descendants."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            for task in (Path("/proc") / str(current) / "task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+    return found
+
+
+class _TreeRss:
+    """Samples the RSS of a process and its descendants together, every 0.1 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.peak_mb = 0.0
+        self._pid = pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-rss", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 0.0
+        while not self._stop.wait(0.1):
+            total = 0.0
+            for pid in tree_pids(self._pid):
+                try:
+                    total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page_mb
+                except (OSError, ValueError, IndexError):
+                    continue
+            self.peak_mb = max(self.peak_mb, total)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def own_peak_rss_mb() -> float:
