@@ -151,7 +151,9 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """Asks Linux to send `signum` to this process when its parent dies; elsewhere a
     no-op (an orphan then runs to its end). Check os.getppid() after: the parent
-    may have died before."""
+    may have died before. Linux sends it when the *thread* that started this process
+    ends: only for a child started on a thread that lives as long as the worker (the
+    tokenizer process: the poll thread; not the model-loading thread)."""
     prctl = getattr(_libc(), "prctl", None) if sys.platform.startswith("linux") else None
     if prctl is not None:
         prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
