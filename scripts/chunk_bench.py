@@ -216,19 +216,6 @@ def _status_kb(pid: int, key: str) -> int:
     return 0
 
 
-def _tree(pid: int) -> list[int]:
-    pids, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        pids.append(current)
-        try:
-            for task in (Path("/proc") / str(current) / "task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-    return pids
-
-
 class RssPoller:
     """Polls a process's VmHWM and its tree's summed VmRSS until stopped; and its VmRSS
     when its log first says it polled a record (model loaded, nothing embedded yet)."""
@@ -242,9 +229,13 @@ class RssPoller:
         self._thread.start()
 
     def _run(self) -> None:
+        from harness.worker import tree_pids  # after main() put the project on the path
+
         while not self._stop.is_set():
             self.hwm_kb = max(self.hwm_kb, _status_kb(self.pid, "VmHWM"))
-            self.tree_kb = max(self.tree_kb, sum(_status_kb(p, "VmRSS") for p in _tree(self.pid)))
+            self.tree_kb = max(
+                self.tree_kb, sum(_status_kb(p, "VmRSS") for p in tree_pids(self.pid))
+            )
             if self.at_first_record_kb is None and FIRST_RECORD in self.log.read_text():
                 self.at_first_record_kb = _status_kb(self.pid, "VmRSS")
             self._stop.wait(self.period)

@@ -138,9 +138,6 @@ class EngineProcesses:
             raise
         self._cpu_at_ready = self._cpu_now()
 
-    def __len__(self) -> int:
-        return len(self._children)
-
     def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The last hidden state (float32, rows x width x hidden) of int64 ids and mask."""
         child = self._take()

@@ -184,22 +184,18 @@ def tree_cpu_s(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) of a process itself, and of its descendants: the
     live ones read one by one, the exited ones from their parent's share of
     waited-for children (the tokenizer process ends before the worker's `done:`)."""
-    own, descendants, todo = 0.0, 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        proc = Path("/proc") / str(current)
+    own, descendants = 0.0, 0.0
+    for current in tree_pids(pid):
         try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = (Path("/proc") / str(current) / "stat").read_text().rsplit(")", 1)[1].split()
             user, system, waited_user, waited_system = (int(f) for f in fields[11:15])
-            if current == pid:
-                own += (user + system) / _TICKS
-            else:
-                descendants += (user + system) / _TICKS
-            descendants += (waited_user + waited_system) / _TICKS
-            for task in (proc / "task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue  # exited meanwhile
+        if current == pid:
+            own += (user + system) / _TICKS
+        else:
+            descendants += (user + system) / _TICKS
+        descendants += (waited_user + waited_system) / _TICKS
     return own, descendants
 
 
