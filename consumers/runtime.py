@@ -30,9 +30,15 @@ from pipeline.core.host import (
 from pipeline.core.metrics import WorkerMetrics
 from pipeline.kafka import cluster
 from pipeline.model.embedder import Embedder, calibration_of, engine_for, pick_device
+from pipeline.model.openvino_engine import RECIPES
 from pipeline.model.precision import resolve_precision
 from pipeline.model.spec import ModelSpec
-from sinks.identity import check_output_model, precision_held, precisions_of_kind
+from sinks.identity import (
+    check_output_model,
+    int8_recipe_held,
+    precision_held,
+    precisions_of_kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +62,11 @@ def run(config: WorkerConfig) -> RunSummary:
     _check_cluster(config)  # fail fast, before the seconds a model load takes
     # What the model is, from its files, and whether the output holds another one's
     # vectors: refused in seconds, before any weights load.
-    spec, allowed = _model_spec(config)
+    spec, allowed, recipe = _model_spec(config)
     # The model (torch's import included) loads while the worker checks the
     # cluster and its outputs; the worker waits for it before the first write.
     model = start_on_fresh_thread(
-        lambda: _load_model(config, spec, allowed, _plan_cpu(config)), "model-load"
+        lambda: _load_model(config, spec, allowed, recipe, _plan_cpu(config)), "model-load"
     )
     metrics = WorkerMetrics()
     if config.metrics_port is not None:
@@ -79,9 +85,13 @@ def _nvidia_present() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
-def _model_spec(config: WorkerConfig) -> tuple[ModelSpec, tuple[str, ...] | None]:
-    """The model read from its files and checked against the output's vectors; and the
-    precisions `--precision auto` may pick for that output (None: any)."""
+def _model_spec(
+    config: WorkerConfig,
+) -> tuple[ModelSpec, tuple[str, ...] | None, str | None]:
+    """The model read from its files and checked against the output's vectors; the
+    precisions `--precision auto` may pick for that output (None: any); and the int8
+    recipe its int8 vectors were made with, where this release makes it (None: the
+    default; an output made with another is refused)."""
     spec = ModelSpec.read(
         config.model.name,
         config.model.document_prompt,
@@ -96,13 +106,20 @@ def _model_spec(config: WorkerConfig) -> tuple[ModelSpec, tuple[str, ...] | None
         allowed = None if held is None else precisions_of_kind(held)
         precision = held or "fp32"
     engine = engine_for(precision)
-    info = spec.info(precision, config.model.device, engine, calibration_of(precision, engine))
+    held_recipe = int8_recipe_held(config.output)
+    recipe = held_recipe if held_recipe in RECIPES else None
+    calibration = calibration_of(precision, engine, recipe)
+    info = spec.info(precision, config.model.device, engine, calibration)
     check_output_model(config.output, info)
-    return spec, allowed
+    return spec, allowed, recipe
 
 
 def _load_model(
-    config: WorkerConfig, spec: ModelSpec, allowed: tuple[str, ...] | None, plan: CpuPlan
+    config: WorkerConfig,
+    spec: ModelSpec,
+    allowed: tuple[str, ...] | None,
+    recipe: str | None,
+    plan: CpuPlan,
 ) -> Embedder:
     precision = config.model.precision
     if precision == "auto":
@@ -116,6 +133,7 @@ def _load_model(
         config.model.sub_batch_tokens,
         config.model.shapes == "exact",
         spec=spec,
+        recipe=recipe,
     )
 
 

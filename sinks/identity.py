@@ -291,6 +291,15 @@ def precision_held(output: Any) -> str | None:
     return None if recorded is None else recorded.get("precision")
 
 
+def int8_recipe_held(output: Any) -> str | None:
+    """The recipe (`calibration`) the output's int8 vectors record; None where it holds
+    none, or float ones."""
+    recorded = recorded_model(output)
+    if recorded is None or recorded.get("precision") != "int8":
+        return None
+    return recorded.get("calibration") or None
+
+
 def precisions_of_kind(precision: str) -> tuple[str, ...]:
     """The precisions whose vectors may join vectors of `precision`."""
     return ("int8",) if precision == "int8" else FLOAT_PRECISIONS

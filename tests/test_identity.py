@@ -146,7 +146,7 @@ def test_int8_is_one_kind_per_recipe(tmp_path: Path) -> None:
     another recipe, nor an earlier release's (torch's dynamic quantisation, which
     recorded no calibration); `--precision auto` follows the kind an output holds, and
     int8 of another recipe is made by the release whose recipe it is."""
-    from sinks.identity import precision_held, precisions_of_kind
+    from sinks.identity import int8_recipe_held, precision_held, precisions_of_kind
 
     assert precision_held(tmp_path) is None  # empty: auto picks freely
     recipe = "nncf-int8-recipe-a"
@@ -168,6 +168,8 @@ def test_int8_is_one_kind_per_recipe(tmp_path: Path) -> None:
     floats = tmp_path / "floats"
     publish_segment(floats, MODEL)
     assert precisions_of_kind(precision_held(floats) or "") == ("fp32", "bf16", "fp16")
+    # The recipe a worker makes int8 with for this output (where its release makes it).
+    assert (int8_recipe_held(tmp_path), int8_recipe_held(floats)) == (recipe, None)
 
 
 def test_outputs_from_before_prompts_had_none() -> None:
@@ -419,3 +421,30 @@ def test_a_worker_adds_to_an_output_of_the_release_before(
     )  # fmt: skip
     assert found.returncode == 0, found.stderr[-2000:]
     assert len(json.loads(found.stdout)["hits"]) == 3
+
+
+@pytest.mark.integration
+def test_a_worker_adds_to_an_int8_output_with_the_recipe_it_holds(
+    broker: str, make_topic, group_id: str, tmp_path: Path, tiny_model: str
+) -> None:
+    """An int8 output made with the first OpenVINO recipe (the default of releases
+    before smoothing): a worker of this release adds to it with that recipe, not with
+    its own default, which the output would refuse."""
+    from pipeline.model.openvino_engine import FIRST, RECIPE
+
+    assert FIRST.name != RECIPE
+    output = tmp_path / "out"
+    publish_segment(output, ModelSpec.read(tiny_model).info("int8", "cpu", "openvino", FIRST.name))
+    before = set((output / "vectors").glob("*.parquet"))
+    topic = make_topic(partitions=1)
+    publish_json(broker, topic, corpus_records(12), partitions=1)
+    run = run_until_end(
+        broker, topic, group_id, output, "--model", tiny_model, "--precision", "int8"
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    added = sorted(set((output / "vectors").glob("*.parquet")) - before)
+    assert added
+    for segment in added:
+        footer = pq.read_schema(segment).metadata or {}
+        assert footer[b"embedding.calibration"].decode() == FIRST.name
+    assert sum(pq.read_metadata(p).num_rows for p in added) == 12

@@ -75,6 +75,48 @@ def test_int8_runs_on_openvino_and_the_outputs_say_how(int8: Embedder) -> None:
         fp32.close()
 
 
+def _weight_kinds(xml: Path) -> tuple[int, int]:
+    """(matmuls with float weights, matmuls with int8 ones) of a cached model."""
+    import openvino as ov
+
+    floats = compressed = 0
+    for op in ov.Core().read_model(str(xml)).get_ordered_ops():
+        if op.get_type_name() != "MatMul" or not op.get_input_partial_shape(1).is_static:
+            continue
+        source = op.input_value(1).get_node()
+        if source.get_type_name() == "Constant":
+            floats += 1
+        else:  # int8 constants decompressed on the way (Convert, Subtract, Multiply)
+            compressed += 1
+    return floats, compressed
+
+
+def test_the_recipe_smooths_and_leaves_the_down_projections_in_float(
+    int8: Embedder, cache_home: Path
+) -> None:
+    assert int8.info.calibration == openvino_engine.SMOOTHED.name
+    (folder,) = cache_home.iterdir()
+    # MiniLM's 6 layers: query-key-value, attention output and up-projection in int8,
+    # the down-projections in float.
+    assert _weight_kinds(folder / "model.xml") == (6, 18)
+
+
+def test_an_output_of_the_first_recipe_gets_the_first_recipe(
+    int8: Embedder, texts: list[str]
+) -> None:
+    first = Embedder.load("default", "int8", "cpu", recipe=openvino_engine.FIRST.name)
+    try:
+        assert first.info.calibration == openvino_engine.FIRST.name
+        assert first.info.identity == int8.info.identity
+        ours, theirs = int8.embed(texts), first.embed(texts)
+        assert not np.array_equal(ours, theirs)  # made another way
+        assert cosine_rows(ours, theirs).mean() > 0.995
+    finally:
+        first.close()
+    with pytest.raises(ModelError, match="no int8 recipe 'made-elsewhere' in this release"):
+        Embedder.load("default", "int8", "cpu", recipe="made-elsewhere")
+
+
 def test_a_cached_model_is_not_converted_again(
     int8: Embedder, cache_home: Path, texts: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,7 +14,8 @@ where ``<n>`` counts the paragraphs kept from that module in source order, so an
 same paragraph whatever ``--seed`` or ``--limit`` is used.
 
 `sample_texts()` gives the texts the precision gate (`pipeline model check`, `--precision
-auto`) measures on; `scripts/make_corpus.py` and `python -m pipeline.core.corpus` write the corpus.
+auto`) measures on, `calibration_texts()` those int8's smoothing is calibrated on;
+`scripts/make_corpus.py` and `python -m pipeline.core.corpus` write the corpus.
 """
 
 from __future__ import annotations
@@ -301,6 +302,17 @@ def _cached_texts(seed: int) -> tuple[str, ...]:
 def sample_texts(limit: int, seed: int = 0) -> list[str]:
     """A deterministic sample of real English paragraphs from this Python's stdlib."""
     texts = list(_cached_texts(seed)[:limit])
+    if not texts:
+        raise RuntimeError("no standard-library sources found to sample text from")
+    return texts
+
+
+def calibration_texts(limit: int) -> list[str]:
+    """The last `limit` paragraphs of sample_texts' order: apart from the leading ones
+    that the precision gate and the benchmarks judge by, where the stdlib holds
+    enough (thousands of paragraphs)."""
+    pool = _cached_texts(0)
+    texts = list(pool[max(0, len(pool) - limit) :])
     if not texts:
         raise RuntimeError("no standard-library sources found to sample text from")
     return texts

@@ -239,13 +239,16 @@ class Embedder:
         dimensions: int | None = None,
         spec: ModelSpec | None = None,
         engine: str | None = None,
+        recipe: str | None = None,
     ) -> Embedder:
         """`encoder`: "auto" (pipeline.model.bert where it applies, else transformers),
         "native" or "transformers"; None reads PIPELINE_ENCODER (default auto).
         `document_prompt` / `query_prompt`: None takes the model's own (pipeline.model.prompts),
         "" none. `dimensions`: Matryoshka truncation. `spec`: the model already read
         (pipeline.model.spec), instead of `model` and the three before. `engine`:
-        "torch" or "openvino"; None: the precision's (engine_for)."""
+        "torch" or "openvino"; None: the precision's (engine_for). `recipe`: int8's
+        (pipeline.model.openvino_engine.RECIPES; None: the default), as an output
+        that holds int8 recorded it."""
         import torch
 
         from pipeline.model import network
@@ -255,8 +258,9 @@ class Embedder:
         engine = engine or engine_for(precision)
         _check_precision(precision, device, engine)
         net, used = network.load(spec, _encoder_choice(encoder))
-        net = _apply_precision(spec, net, used, precision, device, engine)
-        info = spec.info(precision, device, engine, calibration_of(precision, engine))
+        calibration = calibration_of(precision, engine, recipe)
+        net = _apply_precision(spec, net, used, precision, device, engine, calibration)
+        info = spec.info(precision, device, engine, calibration)
         log.info(
             "model %s (%s) loaded: %s, %d dimensions, %s on %s (%s), %s encoder; prompts: "
             "document %r, query %r",
@@ -294,6 +298,7 @@ class Embedder:
         document_prompt: str | None = None,
         query_prompt: str | None = None,
         spec: ModelSpec | None = None,
+        recipe: str | None = None,
     ) -> Embedder:
         """The model laid out as `plan` says (replicas, threads, tokenizer threads)."""
         embedder = cls.load(
@@ -307,6 +312,7 @@ class Embedder:
             document_prompt=document_prompt,
             query_prompt=query_prompt,
             spec=spec,
+            recipe=recipe,
         )
         embedder.exact_shapes = exact_shapes
         return embedder
@@ -537,11 +543,14 @@ def engine_for(precision: str) -> str:
     return "openvino" if precision == "int8" else "torch"
 
 
-def calibration_of(precision: str, engine: str) -> str:
-    """How the weights were made int8, as the outputs record it ("" for float)."""
+def calibration_of(precision: str, engine: str, recipe: str | None = None) -> str:
+    """How the weights were made int8, as the outputs record it ("" for float):
+    `recipe`, or the default one."""
     from pipeline.model import openvino_engine
 
-    return openvino_engine.RECIPE if precision == "int8" and engine == "openvino" else ""
+    if precision != "int8" or engine != "openvino":
+        return ""
+    return openvino_engine.recipe_named(recipe).name if recipe else openvino_engine.RECIPE
 
 
 def _check_precision(precision: str, device: str, engine: str) -> None:
@@ -562,14 +571,22 @@ def _check_precision(precision: str, device: str, engine: str) -> None:
 
 
 def _apply_precision(
-    spec: ModelSpec, net: Any, encoder: str, precision: str, device: str, engine: str
+    spec: ModelSpec,
+    net: Any,
+    encoder: str,
+    precision: str,
+    device: str,
+    engine: str,
+    calibration: str,
 ) -> Any:
     import torch
 
     if engine == "openvino":
         from pipeline.model import network, openvino_engine
 
-        return openvino_engine.load(spec, net, encoder == network.NATIVE, precision)
+        native = encoder == network.NATIVE
+        recipe = calibration or openvino_engine.RECIPE
+        return openvino_engine.load(spec, net, native, precision, recipe)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return net.to(device=device, dtype=dtype)
 

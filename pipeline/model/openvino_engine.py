@@ -1,14 +1,22 @@
 """The OpenVINO engine: the Transformer module's network converted to OpenVINO, at
 fp32 or int8, run on the CPU.
 
-int8 is NNCF's data-free weight compression (int8, asymmetric, one scale per output
-channel) with OpenVINO's dynamic quantisation of the activations: at every matmul the
-CPU plugin quantises each token's activations in groups of `GROUP_SIZE` values, with
-scales of that pass's own values, and multiplies in int8. Nothing is calibrated on
-text, so no corpus (Chinese, code, another domain) sits outside a calibration
-sample's range. Measured against NNCF's static int8 (SmoothQuant, bias correction,
-300 calibration texts) on held-out text, it keeps neighbour recall@10 above the gate
-where static int8 falls below it (docs/performance.md: precisions).
+int8 is OpenVINO's dynamic quantisation of the activations on weights NNCF compressed
+to int8 (asymmetric, one scale per output channel): at every matmul the CPU plugin
+quantises each token's activations in groups of the recipe's size, with scales of that
+pass's own values, and multiplies in int8. No range is fixed at calibration, so no
+corpus (Chinese, code, another domain) is clipped outside a calibration sample's range;
+static int8 (NNCF, SmoothQuant, bias correction) was measured below the gate where
+dynamic int8 stays above it (docs/performance.md: precisions).
+
+Two recipes (`RECIPES`), each its own model identity:
+- the default smooths the network first (pipeline.model.smoothing: SmoothQuant's
+  scales, measured on calibration text and folded exactly into the network), which
+  lets a whole token's row share one scale, and leaves the feed-forward
+  down-projections in floating point: 17 % faster than the first recipe on a 2-core
+  Zen 4, at its recall within half a point (docs/performance.md: smoothing);
+- the first recipe, groups of 32 values and nothing smoothed, still made for the
+  outputs that hold its vectors (an int8 output admits its own recipe's only).
 
 The converted and compressed model is cached on disk (`cache_dir`), keyed by the model
 identity, the recipe and the OpenVINO and NNCF releases: a new release converts
@@ -29,6 +37,8 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +51,34 @@ from pipeline.model.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 ENGINE = "openvino"
-# Activations are quantised in groups of this many values of a token: measured on
-# MiniLM (docs/performance.md), 32 kept recall@10 0.975 against fp32 where 128 kept
-# 0.963 and a whole token's row 0.946, for 15 % less speed than 128.
-GROUP_SIZE = 32
-# What the outputs record of how int8 was made (ModelInfo.calibration): the identity
-# of a quantised output. Another recipe is another identity.
-RECIPE = f"nncf-int8-asym-per-channel-weights+dynamic-int8-activations-g{GROUP_SIZE}"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How int8 is made. `name` is what the outputs record (ModelInfo.calibration): the
+    identity of a quantised output, so a recipe's name never changes."""
+
+    name: str
+    group: int  # activations quantised in groups of this many values of a token
+    smoothed: bool  # SmoothQuant's scales folded in, the down-projections in float
+
+
+# Measured on MiniLM (docs/performance.md): unsmoothed, groups of 32 kept recall@10
+# 0.975 against fp32 where a whole row kept 0.946.
+FIRST = Recipe("nncf-int8-asym-per-channel-weights+dynamic-int8-activations-g32", 32, False)
+# Smoothed, a row of 384 values shares one scale at about the first recipe's recall,
+# and runs faster (docs/performance.md: smoothing).
+SMOOTHED = Recipe(
+    "smoothquant-a0.7-stdlib300+nncf-int8-asym-per-channel-weights"
+    "+dynamic-int8-activations-g384+float-down-projections",
+    384,
+    True,
+)
+RECIPES = {recipe.name: recipe for recipe in (SMOOTHED, FIRST)}
+RECIPE = SMOOTHED.name  # what int8 is made with, unless an output holds another
+CALIBRATION_TEXTS = 300
+_CALIBRATION_BATCH = 16
+
 _XML = "model.xml"
 # A forward pass that takes longer is stuck, not slow (the longest measured: seconds).
 PASS_TIMEOUT_S = 300
@@ -108,10 +139,13 @@ class OpenVinoNetwork:
     specialised it concurrently, which on a loaded 2-core machine twice never
     finished (as OpenVINO's users found: ultralytics issue 25923)."""
 
-    def __init__(self, model: Any, config: Any, precision: str, xml: Path) -> None:
+    def __init__(
+        self, model: Any, config: Any, precision: str, xml: Path, recipe: Recipe | None = None
+    ) -> None:
         self.ov_model = model
         self.config = config  # the network's, for pass sizing (activation_bytes_per_token)
         self.precision = precision
+        self.recipe = recipe  # int8's (None for fp32)
         self.xml = xml  # the cached model, which replica processes read
         self._compiled: Any = None
         self._request: Any = None
@@ -132,7 +166,9 @@ class OpenVinoNetwork:
             processes = EngineProcesses(str(self.xml), properties, replicas, PASS_TIMEOUT_S)
             return OpenVinoReplicas(self, processes)
         threads = None if threads_per_replica is None else replicas * threads_per_replica
-        compiled = OpenVinoNetwork(self.ov_model, self.config, self.precision, self.xml)
+        compiled = OpenVinoNetwork(
+            self.ov_model, self.config, self.precision, self.xml, self.recipe
+        )
         compiled._compiled = ov.Core().compile_model(
             self.ov_model, "CPU", self._properties(threads)
         )
@@ -144,12 +180,12 @@ class OpenVinoNetwork:
         properties: dict[str, Any] = {"NUM_STREAMS": "1"}
         if threads is not None:
             properties["INFERENCE_NUM_THREADS"] = str(threads)
-        if self.precision == "int8":
+        if self.recipe is not None:
             # The operations left in floating point (attention's products, softmax,
             # normalisation) at OpenVINO's default: bf16 where the CPU has it natively
             # (10 % faster on MiniLM, recall@10 0.973 against 0.975), else fp32. The
             # gate measures int8 as it runs.
-            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(GROUP_SIZE)
+            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(self.recipe.group)
         else:
             properties["INFERENCE_PRECISION_HINT"] = "f32"  # fp32 means fp32 here
         return properties
@@ -219,9 +255,18 @@ class OpenVinoReplicas:
         self._processes.close()
 
 
-def load(spec: ModelSpec, net: Any, native: bool, precision: str) -> OpenVinoNetwork:
-    """The torch network `net` on OpenVINO at `precision` (fp32 or int8), from the
-    cache or converted (and compressed) now and cached."""
+def recipe_named(name: str) -> Recipe:
+    """The int8 recipe an output records, or a ModelError naming the ones made here."""
+    if name not in RECIPES:
+        raise ModelError(f"no int8 recipe {name!r} in this release (it makes {', '.join(RECIPES)})")
+    return RECIPES[name]
+
+
+def load(
+    spec: ModelSpec, net: Any, native: bool, precision: str, recipe: str = RECIPE
+) -> OpenVinoNetwork:
+    """The torch network `net` on OpenVINO at `precision` (fp32 or int8, made with
+    `recipe`), from the cache or converted (and compressed) now and cached."""
     if precision not in ("fp32", "int8"):
         raise ModelError(f"the OpenVINO engine runs fp32 and int8, not {precision}")
     if not available():
@@ -231,13 +276,15 @@ def load(spec: ModelSpec, net: Any, native: bool, precision: str) -> OpenVinoNet
         )
     import openvino as ov
 
-    folder = cache_dir() / _cache_key(spec, native, precision)
+    made = recipe_named(recipe) if precision == "int8" else None
+    folder = cache_dir() / _cache_key(spec, native, precision, made)
     with _CONVERT_LOCK:
         model = _read_cached(folder)
         if model is None:
-            _convert(spec, net, native, precision, folder)
+            _convert(spec, net, native, made, folder)
             model = ov.Core().read_model(str(folder / _XML))
-    return OpenVinoNetwork(model, getattr(net, "config", None), precision, folder / _XML)
+    config = getattr(net, "config", None)
+    return OpenVinoNetwork(model, config, precision, folder / _XML, made)
 
 
 def _read_cached(folder: Path) -> Any:
@@ -256,7 +303,7 @@ def _read_cached(folder: Path) -> Any:
         return None
 
 
-def _cache_key(spec: ModelSpec, native: bool, precision: str) -> str:
+def _cache_key(spec: ModelSpec, native: bool, precision: str, recipe: Recipe | None) -> str:
     import nncf
     import openvino as ov
 
@@ -264,23 +311,24 @@ def _cache_key(spec: ModelSpec, native: bool, precision: str) -> str:
         spec.identity,
         "native" if native else "transformers",
         precision,
-        RECIPE if precision == "int8" else "",
+        recipe.name if recipe is not None else "",
         ov.__version__,
         nncf.__version__,
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def _convert(spec: ModelSpec, net: Any, native: bool, precision: str, folder: Path) -> None:
-    """Converts (and for int8 compresses) `net` into `folder`, atomically: a worker
-    beside this one sees the whole model or none."""
+def _convert(spec: ModelSpec, net: Any, native: bool, recipe: Recipe | None, folder: Path) -> None:
+    """Converts (and for an int8 recipe smooths and compresses) `net` into `folder`,
+    atomically: a worker beside this one sees the whole model or none."""
     import openvino as ov
 
     started = time.perf_counter()
-    model = _converted(net, native)
-    _check_conversion(spec, net, native, model)
-    if precision == "int8":
-        model = _compressed(model)
+    with _smoothed(spec, net, native, recipe) as ready:
+        model = _converted(ready, native)
+        _check_conversion(spec, ready, native, model)
+    if recipe is not None:
+        model = _compressed(model, recipe)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     try:
@@ -296,10 +344,45 @@ def _convert(spec: ModelSpec, net: Any, native: bool, precision: str, folder: Pa
         shutil.rmtree(staging, ignore_errors=True)
     log.info(
         "OpenVINO: %s model converted in %.1fs, cached in %s",
-        precision,
+        recipe.name if recipe is not None else "fp32",
         time.perf_counter() - started,
         folder,
     )
+
+
+@contextlib.contextmanager
+def _smoothed(spec: ModelSpec, net: Any, native: bool, recipe: Recipe | None) -> Iterator[Any]:
+    """`net`, smoothed where the recipe says (pipeline.model.smoothing), for the time of
+    the block: calibrated on stdlib paragraphs apart from those the gate judges, in
+    length-sorted passes whose padding the ranges leave out."""
+    if recipe is None or not recipe.smoothed:
+        yield net
+        return
+    import torch
+
+    from pipeline.core.corpus import calibration_texts
+    from pipeline.model import network, smoothing
+
+    tokenizer = spec.tokenizer.backend(spec.max_length)
+    rows = sorted(
+        (e.ids for e in tokenizer.encode_batch(calibration_texts(CALIBRATION_TEXTS))), key=len
+    )
+    pad = spec.tokenizer.pad_token_id or 0
+
+    def batches() -> Iterator[tuple[Any, Any]]:
+        for start in range(0, len(rows), _CALIBRATION_BATCH):
+            part = rows[start : start + _CALIBRATION_BATCH]
+            width = len(part[-1])
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in part])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in part])
+            yield ids, mask
+
+    def forward(ids: Any, mask: Any) -> Any:
+        return network.forward(net, native, ids, mask)
+
+    ranges = smoothing.input_ranges(net, forward, batches())
+    with smoothing.smoothed(net, ranges) as ready:
+        yield ready
 
 
 def _converted(net: Any, native: bool) -> Any:
@@ -370,7 +453,26 @@ def _check_conversion(spec: ModelSpec, net: Any, native: bool, model: Any) -> No
         )
 
 
-def _compressed(model: Any) -> Any:
+def _down_projections(model: Any) -> list[str]:
+    """The names of the matmuls whose constant weights read more values than they
+    write (pipeline.model.smoothing.quantised): the recipe leaves them in float."""
+    names = []
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "MatMul" or op.input_value(1).get_node().get_type_name() != (
+            "Constant"
+        ):
+            continue
+        shape = op.get_input_partial_shape(1)
+        if not shape.is_static or len(shape) != 2:
+            continue
+        rows, columns = shape.to_shape()
+        into, out = (columns, rows) if op.get_attributes()["transpose_b"] else (rows, columns)
+        if into > out:
+            names.append(op.get_friendly_name())
+    return names
+
+
+def _compressed(model: Any, recipe: Recipe) -> Any:
     import nncf
 
     # NNCF reports its statistics as tables at INFO and draws a progress bar on
@@ -380,6 +482,11 @@ def _compressed(model: Any) -> Any:
     nncf_log.setLevel(logging.WARNING)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+            ignored = _down_projections(model) if recipe.smoothed else []
+            return nncf.compress_weights(
+                model,
+                mode=nncf.CompressWeightsMode.INT8_ASYM,
+                ignored_scope=nncf.IgnoredScope(names=ignored),
+            )
     finally:
         nncf_log.setLevel(level)

@@ -233,7 +233,9 @@ def _identity(model: str | ModelSpec) -> str:
 def _cache_key(model: str | ModelSpec, device: str, plan: CpuPlan | None) -> str:
     hardware = cpu_model() if device == "cpu" else _gpu_model()
     plan = plan or layout_of(device)
-    return f"{_identity(model)}|{device}|{hardware}|{plan.replicas}x{plan.threads_per_replica}"
+    # int8 made another way is measured again.
+    layout = f"{plan.replicas}x{plan.threads_per_replica}"
+    return f"{_identity(model)}|{device}|{hardware}|{layout}|{openvino_engine.RECIPE}"
 
 
 def cpu_model() -> str:
