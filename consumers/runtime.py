@@ -27,6 +27,7 @@ from pipeline.core.host import (
     usable_cpus,
     use_one_malloc_arena,
 )
+from pipeline.core.layout import describe
 from pipeline.core.metrics import WorkerMetrics
 from pipeline.kafka import cluster
 from pipeline.model.embedder import Embedder, calibration_of, engine_for, pick_device
@@ -34,10 +35,11 @@ from pipeline.model.openvino_engine import RECIPES
 from pipeline.model.precision import resolve_precision
 from pipeline.model.spec import ModelSpec
 from sinks.identity import (
-    check_output_model,
+    check_recorded_model,
     int8_recipe_held,
     precision_held,
     precisions_of_kind,
+    recorded_model,
 )
 
 log = logging.getLogger(__name__)
@@ -98,19 +100,20 @@ def _model_spec(
         config.model.query_prompt,
         config.model.dimensions,
     )
+    recorded = recorded_model(config.output)  # one read of the output (a LIST on S3)
     precision, allowed = config.model.precision, None
     if precision == "auto":
         # An output holds one kind (int8 or float): auto follows the one it holds,
         # checked here as the precision it records (auto resolves at load).
-        held = precision_held(config.output)
+        held = precision_held(recorded)
         allowed = None if held is None else precisions_of_kind(held)
         precision = held or "fp32"
     engine = engine_for(precision)
-    held_recipe = int8_recipe_held(config.output)
+    held_recipe = int8_recipe_held(recorded)
     recipe = held_recipe if held_recipe in RECIPES else None
     calibration = calibration_of(precision, engine, recipe)
     info = spec.info(precision, config.model.device, engine, calibration)
-    check_output_model(config.output, info)
+    check_recorded_model(recorded, info, describe(config.output))
     return spec, allowed, recipe
 
 

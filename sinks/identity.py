@@ -202,10 +202,13 @@ def check_output_model(output: Any, model: ModelInfo, where: str | None = None) 
     `where` names the output in the message (default: the directory or s3:// URL)."""
     from pipeline.core.layout import describe
 
-    recorded = recorded_model(output)
+    check_recorded_model(recorded_model(output), model, where or describe(output))
+
+
+def check_recorded_model(recorded: Mapping[str, str] | None, model: ModelInfo, where: str) -> None:
+    """check_output_model on what the output records (recorded_model), read already."""
     if recorded is None:
         return
-    where = where or describe(output)
     found = differences(recorded, model)
     if not found:
         if "tokenizer" not in recorded:
@@ -285,16 +288,14 @@ def _precision_kind(precision: str | None, calibration: str | None = None) -> st
     return f"int8 ({calibration or 'torch dynamic quantisation'})"
 
 
-def precision_held(output: Any) -> str | None:
-    """The precision the output's vectors record (None: it holds none)."""
-    recorded = recorded_model(output)
+def precision_held(recorded: Mapping[str, str] | None) -> str | None:
+    """The precision an output's vectors record (`recorded_model`; None: it holds none)."""
     return None if recorded is None else recorded.get("precision")
 
 
-def int8_recipe_held(output: Any) -> str | None:
-    """The recipe (`calibration`) the output's int8 vectors record; None where it holds
-    none, or float ones."""
-    recorded = recorded_model(output)
+def int8_recipe_held(recorded: Mapping[str, str] | None) -> str | None:
+    """The recipe (`calibration`) an output's int8 vectors record (`recorded_model`);
+    None where it holds none, or float ones."""
     if recorded is None or recorded.get("precision") != "int8":
         return None
     return recorded.get("calibration") or None

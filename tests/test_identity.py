@@ -148,11 +148,11 @@ def test_int8_is_one_kind_per_recipe(tmp_path: Path) -> None:
     int8 of another recipe is made by the release whose recipe it is."""
     from sinks.identity import int8_recipe_held, precision_held, precisions_of_kind
 
-    assert precision_held(tmp_path) is None  # empty: auto picks freely
+    assert precision_held(recorded_model(tmp_path)) is None  # empty: auto picks freely
     recipe = "nncf-int8-recipe-a"
     ours = other(precision="int8", engine="openvino", calibration=recipe)
     publish_segment(tmp_path, ours)
-    assert precision_held(tmp_path) == "int8"
+    assert precision_held(recorded_model(tmp_path)) == "int8"
     assert precisions_of_kind("int8") == ("int8",)
     check_output_model(tmp_path, other(precision="int8", engine="openvino", calibration=recipe))
     for refused, named in (
@@ -167,9 +167,11 @@ def test_int8_is_one_kind_per_recipe(tmp_path: Path) -> None:
         assert remedy in str(caught.value)
     floats = tmp_path / "floats"
     publish_segment(floats, MODEL)
-    assert precisions_of_kind(precision_held(floats) or "") == ("fp32", "bf16", "fp16")
+    held = precision_held(recorded_model(floats))
+    assert precisions_of_kind(held or "") == ("fp32", "bf16", "fp16")
     # The recipe a worker makes int8 with for this output (where its release makes it).
-    assert (int8_recipe_held(tmp_path), int8_recipe_held(floats)) == (recipe, None)
+    held_recipes = [int8_recipe_held(recorded_model(o)) for o in (tmp_path, floats)]
+    assert held_recipes == [recipe, None]
 
 
 def test_outputs_from_before_prompts_had_none() -> None:
