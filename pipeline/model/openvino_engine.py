@@ -371,11 +371,8 @@ def _smoothed(spec: ModelSpec, net: Any, native: bool, recipe: Recipe | None) ->
 
     def batches() -> Iterator[tuple[Any, Any]]:
         for start in range(0, len(rows), _CALIBRATION_BATCH):
-            part = rows[start : start + _CALIBRATION_BATCH]
-            width = len(part[-1])
-            ids = torch.tensor([r + [pad] * (width - len(r)) for r in part])
-            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in part])
-            yield ids, mask
+            ids, mask = _right_padded(rows[start : start + _CALIBRATION_BATCH], pad)
+            yield torch.from_numpy(ids), torch.from_numpy(mask)
 
     def forward(ids: Any, mask: Any) -> Any:
         return network.forward(net, native, ids, mask)
@@ -423,6 +420,14 @@ def _converted(net: Any, native: bool) -> Any:
         raise ModelError(f"OpenVINO could not convert this model: {first}") from exc
 
 
+def _right_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ids and mask of token-id rows, right-padded to the longest."""
+    width = max(map(len, rows))
+    ids = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int64)
+    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=np.int64)
+    return ids, mask
+
+
 def _check_conversion(spec: ModelSpec, net: Any, native: bool, model: Any) -> None:
     """Refuses a conversion whose hidden states differ from torch's on a batch of
     another shape than the traced one, padded (a branch the trace fixed, a position
@@ -434,10 +439,7 @@ def _check_conversion(spec: ModelSpec, net: Any, native: bool, model: Any) -> No
 
     tokenizer = spec.tokenizer.backend(spec.max_length)
     rows = [e.ids for e in tokenizer.encode_batch(list(_PROBE))]
-    width = max(map(len, rows))
-    pad = spec.tokenizer.pad_token_id or 0
-    ids = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int64)
-    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=np.int64)
+    ids, mask = _right_padded(rows, spec.tokenizer.pad_token_id or 0)
     with torch.inference_mode():
         expected = network.forward(net, native, torch.from_numpy(ids), torch.from_numpy(mask))
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
