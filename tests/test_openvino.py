@@ -189,6 +189,15 @@ def test_a_process_per_replica_gives_the_vectors_of_one_request(
     assert [child.poll() for child in children] == [0, 0]
 
 
+def test_long_passes_come_back_whole_from_the_replica_processes(
+    int8: Embedder, processes: Embedder
+) -> None:
+    """Passes of thousands of tokens: the shared memory grows past its first size."""
+    words = " ".join(sample_texts(400)).split()
+    texts = [" ".join(words[i : i + 180]) for i in range(0, 180 * 40, 180)]
+    assert cosine_rows(processes.embed(texts), int8.embed(texts)).min() > 0.99999
+
+
 def test_replica_processes_outlive_the_thread_that_started_them(
     int8: Embedder, texts: list[str]
 ) -> None:

@@ -488,10 +488,12 @@ class Embedder:
             attention = attention.pin_memory().to("cuda", non_blocking=True)
         with torch.inference_mode():
             if self.engine == "openvino":
-                hidden = self._model.hidden(ids, mask)
-            else:
-                padded = bool(lengths.min() < width)
-                hidden = self._network(self._model, self._native, input_ids, attention, padded)
+                # Pooled where the engine left the states, copied out before it runs
+                # another pass there.
+                with self._model.hidden(ids, mask) as hidden:
+                    return self._head(hidden, attention, excluded).numpy().copy()
+            padded = bool(lengths.min() < width)
+            hidden = self._network(self._model, self._native, input_ids, attention, padded)
             pooled = self._head(hidden, attention, excluded)
         return pooled.cpu().numpy()
 

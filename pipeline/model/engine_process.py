@@ -10,8 +10,11 @@ ultralytics' CI found on AMD EPYC, their issue 25923). A process each has neithe
 its runtime meets one pass at a time, and a core taken from it stalls it alone
 (docs/performance.md, int8 on OpenVINO: the worker end to end ran 10 % faster).
 
-A pass goes to any idle child as int64 ids and mask; its hidden states come back
-as raw float32 bytes, read straight into the array the caller gets. A child that
+A pass goes to any idle child as int64 ids and mask; the child writes its hidden
+states into memory it shares with the worker (a file of its own, memfd on Linux,
+grown to the largest pass it has run), and the caller pools them in place, the child
+held until it has: sent over the socket, 150 MB of hidden states for 3,000 short
+texts were half of the worker's CPU around the passes. A child that
 dies or does not answer within the pass timeout ends the worker with one line
 (nothing of its batch is written or committed); the child ends with the worker
 (its connection closes; it also checks that its parent is alive every second: not
@@ -26,12 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import pickle
 import queue
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,8 @@ log = logging.getLogger(__name__)
 # An interpreter, OpenVINO's import and the model's compilation (seconds for a large one).
 START_TIMEOUT_S = 120.0
 _CLOSE_TIMEOUT_S = 5.0
+# The shared states' file starts this large and doubles as a pass needs.
+_MIN_SHARED_BYTES = 1 << 20
 _PARENT_CHECK_S = 1.0
 
 
@@ -54,16 +62,67 @@ class EngineChildError(RuntimeError):
     with the child's traceback in the message."""
 
 
+def _shared_file(name: str) -> int:
+    """A file descriptor of memory to share with a child: memfd where there is one
+    (Linux), else an unlinked temporary file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name)
+    return os.dup(tempfile.TemporaryFile(prefix=name).fileno())
+
+
+class SharedStates:
+    """The hidden states of a child's last pass, in a file both processes map. The
+    child grows it (`fit`); the worker maps it again when it has grown (`view`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map: mmap.mmap | None = None
+
+    @property
+    def size(self) -> int:
+        return 0 if self._map is None else len(self._map)
+
+    def fit(self, shape: tuple[int, ...]) -> np.ndarray:
+        """The child's side: room for float32 states of `shape`, as an array."""
+        need = int(np.prod(shape)) * 4
+        if need > self.size:
+            size = max(_MIN_SHARED_BYTES, 1 << (need - 1).bit_length())
+            os.ftruncate(self.fd, size)
+            self._remap(size)
+        return self.view(shape, self.size)
+
+    def view(self, shape: tuple[int, ...], size: int) -> np.ndarray:
+        """float32 states of `shape` at the start of a file `size` bytes long."""
+        if size > self.size:
+            self._remap(size)
+        assert self._map is not None
+        return np.ndarray(shape, dtype=np.float32, buffer=self._map)
+
+    def _remap(self, size: int) -> None:
+        # The old map is not closed: an array of it may still be in use; it goes with
+        # its last reference.
+        self._map = mmap.mmap(self.fd, size)
+
+    def close(self) -> None:
+        """Closes the descriptor, once (the number may be another file's afterwards);
+        the maps stay valid until their last array goes."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class _Child:
-    """One engine process and its end of the connection."""
+    """One engine process, its end of the connection and the states it shares."""
 
     def __init__(self, index: int, setup: tuple[str, dict[str, Any]]) -> None:
         self.index = index
         parent_end, child_end = socket.socketpair()
+        self.states = SharedStates(_shared_file(f"pipeline-engine-{index}"))
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from pipeline.model.engine_process import main; main()",
-             str(child_end.fileno()), str(os.getpid())],
-            pass_fds=(child_end.fileno(),),
+             str(child_end.fileno()), str(self.states.fd), str(os.getpid())],
+            pass_fds=(child_end.fileno(), self.states.fd),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
@@ -102,6 +161,7 @@ class _Child:
             self.process.kill()
         self.process.wait()
         self.conn.close()
+        self.states.close()
 
     def close(self) -> None:
         """Ends the child: it exits when its end of the connection closes."""
@@ -110,6 +170,7 @@ class _Child:
             self.process.wait(timeout=_CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.kill()
+        self.states.close()
 
     def cpu_seconds(self) -> float:
         """User and system CPU seconds so far (Linux's /proc; 0.0 elsewhere)."""
@@ -138,22 +199,26 @@ class EngineProcesses:
             raise
         self._cpu_at_ready = self._cpu_now()
 
-    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """The last hidden state (float32, rows x width x hidden) of int64 ids and mask."""
+    @contextlib.contextmanager
+    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Iterator[np.ndarray]:
+        """The last hidden state (float32, rows x width x hidden) of int64 ids and mask,
+        valid inside the block: the child's shared memory, which it runs no other pass
+        into until the block ends."""
         child = self._take()
         try:
             request = (np.ascontiguousarray(input_ids), np.ascontiguousarray(mask))
             child.conn.send_bytes(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
-            _, shape = child.answer(self.pass_timeout_s, "finish a pass")
-            out = np.empty(shape, dtype=np.float32)
-            child.conn.recv_bytes_into(memoryview(out).cast("B"))
+            _, (shape, size) = child.answer(self.pass_timeout_s, "finish a pass")
+            states = child.states.view(shape, size)
         except (EOFError, OSError) as exc:
             raise self._fail(child, child.gone()) from exc
         except BaseException as exc:
             self._fail(child, exc)
             raise
-        self._idle.put(child)
-        return out
+        try:
+            yield states
+        finally:
+            self._idle.put(child)
 
     def _take(self) -> _Child:
         """An idle child; the first failure again once one has failed (every pass after
@@ -191,12 +256,12 @@ class EngineProcesses:
 
 
 def main() -> None:
-    """The child: argv = SOCKET_FD PARENT_PID."""
-    fd, parent = int(sys.argv[1]), int(sys.argv[2])
-    serve_as_child(fd, lambda conn: _serve(conn, parent), "bug")
+    """The child: argv = SOCKET_FD STATES_FD PARENT_PID."""
+    fd, states, parent = (int(arg) for arg in sys.argv[1:4])
+    serve_as_child(fd, lambda conn: _serve(conn, SharedStates(states), parent), "bug")
 
 
-def _serve(conn: Connection, parent: int) -> None:
+def _serve(conn: Connection, states: SharedStates, parent: int) -> None:
     import openvino as ov
 
     xml, properties = pickle.loads(conn.recv_bytes())
@@ -218,10 +283,8 @@ def _serve(conn: Connection, parent: int) -> None:
             conn.send_bytes(pickle.dumps(("failed", last_line(exc))))
             continue
         out = request.get_output_tensor(0).data
-        if out.dtype != np.float32 or not out.flags.c_contiguous:
-            out = np.ascontiguousarray(out, dtype=np.float32)
-        conn.send_bytes(pickle.dumps(("hidden", out.shape)))
-        conn.send_bytes(memoryview(out).cast("B"))
+        np.copyto(states.fit(out.shape), out)
+        conn.send_bytes(pickle.dumps(("hidden", (out.shape, states.size))))
 
 
 def last_line(exc: Exception) -> str:

@@ -190,8 +190,10 @@ class OpenVinoNetwork:
             properties["INFERENCE_PRECISION_HINT"] = "f32"  # fp32 means fp32 here
         return properties
 
-    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Any:
-        """The last hidden state (a torch tensor) of int64 ids and mask."""
+    @contextlib.contextmanager
+    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Iterator[Any]:
+        """The last hidden state (a torch tensor) of int64 ids and mask, valid inside
+        the block: the request's output, which no other pass reuses until it ends."""
         import torch
 
         if self._request is None:
@@ -207,8 +209,7 @@ class OpenVinoNetwork:
             if not finished:
                 self._request.cancel()
                 raise self._stuck(input_ids.shape)
-            # Copied: the request reuses its output buffer on the next pass.
-            return torch.from_numpy(self._request.get_output_tensor(0).data.copy())
+            yield torch.from_numpy(self._request.get_output_tensor(0).data)
         finally:
             self._turn.release()
 
@@ -243,10 +244,12 @@ class OpenVinoReplicas:
     ) -> OpenVinoNetwork | OpenVinoReplicas:
         return self._network.compile(replicas, threads_per_replica)
 
-    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Any:
+    @contextlib.contextmanager
+    def hidden(self, input_ids: np.ndarray, mask: np.ndarray) -> Iterator[Any]:
         import torch
 
-        return torch.from_numpy(self._processes.hidden(input_ids, mask))
+        with self._processes.hidden(input_ids, mask) as states:
+            yield torch.from_numpy(states)
 
     def cpu_seconds(self) -> float:
         return self._processes.cpu_seconds()
