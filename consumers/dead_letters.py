@@ -123,6 +123,19 @@ class DeadLetterLedger:
 
     # -- the write thread -------------------------------------------------------------------
 
+    def unread(self) -> dict[TopicPartitionKey, int]:
+        """Ownerships whose earlier owners' dead letters are not read yet: key -> epoch."""
+        with self._lock:
+            return {key: state.epoch for key, state in self._epochs.items() if not state.scanned}
+
+    def read_ahead(self, keys: list[TopicPartitionKey]) -> None:
+        """Reads now what earlier owners of these new ownerships sent (`unread`, still
+        owned), so that their first batch's write does not wait for the read (a consumer's
+        start and a fetch: a fifth of a second on a local broker)."""
+        with self._lock:
+            keys = [key for key in keys if key in self._epochs and not self._epochs[key].scanned]
+        self._scan(keys)
+
     def prepare(
         self,
         bad: list[BadRecord],
@@ -186,6 +199,8 @@ class DeadLetterLedger:
         each dead-letter partition once, from the lowest mark among them."""
         if not keys:
             return
+        with self._lock:  # before the starts are read: a newer ownership's are not these
+            epochs = {key: self._epochs[key].epoch for key in keys}
         self._count = None  # the topic may have gained partitions since the last look
         count = self._partitions()
         starts = self._starts(keys, count)
@@ -198,7 +213,7 @@ class DeadLetterLedger:
         begin = {p: _lowest(f) for p, f in froms.items()}
         started = time.perf_counter()
         results = {p: self.topic.scan(p, begin[p], set(wanted[p])) for p in sorted(wanted)}
-        self._record(keys, results)
+        self._record(epochs, results)
         read = sum(r.read for r in results.values())
         if read >= _LONG_READ:
             log.info(
@@ -230,14 +245,15 @@ class DeadLetterLedger:
                 starts[key] = [(home, mark.offset)]
         return starts
 
-    def _record(self, keys: list[TopicPartitionKey], results: dict[int, Scanned]) -> None:
+    def _record(self, epochs: dict[TopicPartitionKey, int], results: dict[int, Scanned]) -> None:
+        keys = list(epochs)
         with self._lock:
             for partition, scanned in results.items():
                 self._raise_floor(partition, scanned.end)
             for key in keys:
                 state = self._epochs.get(key)
-                if state is None:
-                    continue
+                if state is None or state.epoch != epochs[key]:
+                    continue  # owned again since the read began: that ownership reads anew
                 for partition, scanned in results.items():
                     for offset, at in scanned.found.get(key, {}).items():
                         if offset >= state.start:

@@ -211,8 +211,20 @@ class WriteStage(Stage):
             self.sync_index()
 
     def idle(self) -> None:
+        self._read_dead_letters_ahead()
         if self._dirty and time.monotonic() - self._last_sync >= self.index_sync_interval_s:
             self.sync_index()
+
+    def _read_dead_letters_ahead(self) -> None:
+        """While the first batch of a new ownership is still being embedded, reads what
+        earlier owners dead-lettered (its write would read it first otherwise)."""
+        unread = self.dead_letters.unread()
+        if not unread:
+            return
+        with self.ownership.lock:
+            owned = [key for key, epoch in unread.items() if self.ownership.owns(key, epoch)]
+        if owned:
+            self.dead_letters.read_ahead(owned)
 
     def sync_index(self) -> None:
         added = self.index.sync()

@@ -171,6 +171,49 @@ def test_a_fenced_ownership_reads_again_and_sends_nothing_twice(tmp_path: Path) 
     assert topic.counts()[(TOPIC, 0, 4)] == 1
 
 
+def test_read_ahead_the_first_batch_finds_what_an_earlier_owner_sent(tmp_path: Path) -> None:
+    topic = MemoryTopic()
+    topic.append((TOPIC, 0, 10))  # sent by an owner that died before publishing
+    ledger = DeadLetterLedger(topic, tmp_path)
+    key = (TOPIC, 0)
+    ledger.started({key: 10}, lambda k: 7)
+    assert ledger.unread() == {key: 7}
+
+    ledger.read_ahead([key])  # the write stage, idle while the first batch is embedded
+    topic.append((TOPIC, 1, 3))  # another partition's, after the read: not re-read
+    plans = _prepare(ledger, [bad(0, 10), bad(0, 11)], {key: (7, 10, 20)})
+
+    assert ledger.unread() == {}
+    assert topic.scans == [(0, None)]  # once, ahead; the batch's write did not read
+    assert [b.source.offset for b in plans[key].send] == [11]
+    assert topic.counts()[(TOPIC, 0, 10)] == 1
+
+
+def test_an_ownership_renewed_during_a_read_reads_again(tmp_path: Path) -> None:
+    topic = MemoryTopic()
+    ledger = DeadLetterLedger(topic, tmp_path)
+    key = (TOPIC, 0)
+    ledger.started({key: 0}, lambda k: 1)
+    scan = topic.scan
+
+    def renewed_meanwhile(partition, start, sources):
+        scanned = scan(partition, start, sources)
+        # Revoked and assigned again while the read ran; then another owner of the
+        # time between sent a dead letter this read did not see.
+        ledger.started({key: 0}, lambda k: 2)
+        topic.append((TOPIC, 0, 4))
+        return scanned
+
+    topic.scan = renewed_meanwhile
+    ledger.read_ahead([key])
+    topic.scan = scan
+
+    assert ledger.unread() == {key: 2}  # the read was the old ownership's
+    plans = _prepare(ledger, [bad(0, 4)], {key: (2, 0, 9)})
+    assert plans[key].send == []
+    assert topic.counts()[(TOPIC, 0, 4)] == 1
+
+
 def test_a_revoked_ownership_plans_nothing(tmp_path: Path) -> None:
     ledger = DeadLetterLedger(MemoryTopic(), tmp_path)
     ledger.started({(TOPIC, 0): 0}, lambda k: 5)
