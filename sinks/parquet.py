@@ -109,6 +109,22 @@ def schema(dim: int, upsert: bool = False, rows: str = FLAGGED) -> pa.Schema:
     )
 
 
+def placeholder_row(columns: pa.Schema) -> pa.Table:
+    """One row of these columns: zeros, empty strings and False where a value is
+    required, nulls elsewhere (the preload's; every mode's columns fit it)."""
+
+    def value(field: pa.Field) -> object:
+        if pa.types.is_fixed_size_list(field.type):
+            return [0.0] * field.type.list_size
+        if field.nullable:
+            return None
+        if pa.types.is_string(field.type):
+            return ""
+        return False if pa.types.is_boolean(field.type) else 0
+
+    return pa.Table.from_pydict({f.name: [value(f)] for f in columns}, schema=columns)
+
+
 @dataclass(frozen=True)
 class StagedFile:
     key: SegmentKey
@@ -151,12 +167,10 @@ class ParquetSink:
         compute code on first use, and left to the first index sync, half a minute
         into a nearline run, that added library pages to a worker whose memory is
         watched for growth. Best effort: a failure here is only logged."""
-        row = {"topic": "t", "partition": 0, "offset": 0, "text": "t", "timestamp": 0}
-        row["embedding"] = [0.0] * self._dim
         try:
             with tempfile.TemporaryDirectory(prefix="pipeline-preload-") as folder:
                 path = Path(folder) / "preload.parquet"
-                _write(pa.Table.from_pylist([row], schema=self._schema), str(path))
+                _write(placeholder_row(self._schema), str(path))
                 pq.read_table(path, columns=["offset", "embedding"])
         except (OSError, pa.ArrowException) as exc:
             log.debug("parquet: preload skipped: %s", exc)

@@ -218,6 +218,22 @@ def test_preload_writes_nothing_in_the_output_and_survives_an_unwritable_temp_di
     sink.preload()  # no error: start-up goes on, the preload only saves later page-ins
 
 
+@pytest.mark.parametrize("upsert", [False, True])
+@pytest.mark.parametrize("rows", [parquet_mod.PLAIN, parquet_mod.FLAGGED, parquet_mod.CHUNKED])
+def test_the_preload_row_fits_every_modes_columns(upsert: bool, rows: str) -> None:
+    """The preload is best effort, so a row its columns refuse would only be logged at
+    debug level, and the first batch would pay pyarrow's first write instead."""
+    columns = parquet_mod.schema(8, upsert=upsert, rows=rows)
+    row = parquet_mod.placeholder_row(columns)
+    assert row.num_rows == 1 and row.schema == columns
+
+
+def test_preload_is_not_skipped(sink: ParquetSink, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG", logger="sinks.parquet")
+    sink.preload()
+    assert "preload skipped" not in caplog.text
+
+
 def test_schema_types_per_contract(sink: ParquetSink) -> None:
     staged = stage(sink, "t", 0, 0, 1, [0, 1])
     sink.publish(staged)
