@@ -487,15 +487,12 @@ class Embedder:
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
             attention = attention.pin_memory().to("cuda", non_blocking=True)
         with torch.inference_mode():
-            if self.engine == "openvino":
-                # Pooled where the engine left the states, copied out before it runs
-                # another pass there.
+            if self.engine == "openvino":  # pooled where the engine left the states
                 with self._model.hidden(ids, mask) as hidden:
                     return self._head(hidden, attention, excluded).numpy().copy()
             padded = bool(lengths.min() < width)
             hidden = self._network(self._model, self._native, input_ids, attention, padded)
-            pooled = self._head(hidden, attention, excluded)
-        return pooled.cpu().numpy()
+            return self._head(hidden, attention, excluded).cpu().numpy()
 
 
 def _end_to_end(rows: list[TokenIds], total: int) -> np.ndarray:
