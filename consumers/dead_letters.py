@@ -130,8 +130,8 @@ class DeadLetterLedger:
 
     def read_ahead(self, keys: list[TopicPartitionKey]) -> None:
         """Reads now what earlier owners of these new ownerships sent (`unread`, still
-        owned), so that their first batch's write does not wait for the read (a consumer's
-        start and a fetch: a fifth of a second on a local broker)."""
+        owned), so that their first batch's write does not wait for the read (a
+        consumer's start and a fetch)."""
         with self._lock:
             keys = [key for key in keys if key in self._epochs and not self._epochs[key].scanned]
         self._scan(keys)

@@ -487,7 +487,7 @@ class Embedder:
             input_ids = input_ids.pin_memory().to("cuda", non_blocking=True)
             attention = attention.pin_memory().to("cuda", non_blocking=True)
         with torch.inference_mode():
-            if self.engine == "openvino":  # pooled where the engine left the states
+            if self.engine == "openvino":  # pooled in the engine's memory, copied out
                 with self._model.hidden(ids, mask) as hidden:
                     return self._head(hidden, attention, excluded).numpy().copy()
             padded = bool(lengths.min() < width)

@@ -13,8 +13,8 @@ its runtime meets one pass at a time, and a core taken from it stalls it alone
 A pass goes to any idle child as int64 ids and mask; the child writes its hidden
 states into memory it shares with the worker (a file of its own, memfd on Linux,
 grown to the largest pass it has run), and the caller pools them in place, the child
-held until it has: sent over the socket, 150 MB of hidden states for 3,000 short
-texts were half of the worker's CPU around the passes. A child that
+held until it has (sent over the socket they were half of the worker's CPU around the
+passes: docs/performance.md, around the passes). A child that
 dies or does not answer within the pass timeout ends the worker with one line
 (nothing of its batch is written or committed); the child ends with the worker
 (its connection closes; it also checks that its parent is alive every second: not
