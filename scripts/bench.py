@@ -15,18 +15,16 @@ One run, the same records of real text (standard-library docstring paragraphs,
       process start to exit, and the worker's steady-state rate from its final stderr
       line `done: N records (...) in B batches, S s, R records/s` (timed after model load).
 
-Beside (b), the peers a user could pick instead (scripts/harness/peers.py):
-sentence-transformers in torch bf16, ONNX Runtime fp32 and dynamic int8, OpenVINO fp32
-and NNCF static int8, each with its gate figures against (b)'s fp32 vectors; "best"
-is the fastest peer (b included) that passes the gate.
+Beside (b), the peers a user could pick instead (scripts/harness/peers.py): torch bf16,
+ONNX Runtime fp32 and dynamic int8, OpenVINO fp32 and NNCF static int8, each with its
+gate figures against (b)'s vectors; "best": the fastest (b included) that passes.
 
 It then prints the ratios d/a, d/b, d/c, d/best beside their targets, where (d)'s
-time goes (its stages and CPU, from its last line; (a)'s tokenizing and forward
-passes), the padding efficiency of
-(d)'s batching policy and of (c)'s arrival-order batches, and the quality of the vectors
-(d) stored, against fp32: mean and minimum cosine, neighbour recall@10, PASS/FAIL on the
-precision gate. (b) and (c) run with one torch thread count (--threads); (a) with the
-worker's own layout of model replicas x threads (pipeline.core.host.plan_cpu), as (d) does.
+time goes (its stages and CPU; (a)'s tokenizing and forward passes), the padding
+efficiency of (d)'s batching and of (c)'s, and the quality of the vectors (d) stored
+against fp32: cosine mean and minimum, recall@10, PASS/FAIL on the precision gate.
+(b) and (c) run with one torch thread count (--threads); (a) with the worker's own
+layout of model replicas x threads (pipeline.core.host.plan_cpu), as (d) does.
 
     .venv/bin/python scripts/bench.py [--records 3000] [--precision auto] [--device auto]
         [--batch-size 4096] [--partitions 3] [--repeat 1] [--json results.json] [--keep]
@@ -35,12 +33,12 @@ worker's own layout of model replicas x threads (pipeline.core.host.plan_cpu), a
 Each of (a) to (c) loads its model and runs on one fresh thread, as `pipeline run`
 loads its model on a thread that exits and embeds on its embed-stage thread: one
 OpenMP team at a time, so none pays throttled spin-waits (see pipeline.core.host).
-(a) runs right before (d), so that the two rates the headline ratio divides are
-measured a minute apart at most, on a machine whose speed drifts; and in a process
-of its own, since the bench process has by then warmed its heap on (b) and (c),
-which made (a) 5-10% faster than any fresh process could be.
-(d)'s output goes to `run-N.log` in the temp dir (kept with --keep). With --repeat N,
-(a) and (d) run N rounds, alternating, and the ratios use their medians.
+(a) runs in a process of its own: the bench process has warmed its heap on (b) and (c),
+which made (a) 5-10% faster than any fresh process could be. (d) logs to `run-N.log`
+in the temp dir (kept with --keep). With --repeat N, (a) and (d) run N rounds,
+alternating (the speed of the machine drifts), and the ratios use their medians; so
+does "best": the peers that pass the gate within 15 % of the fastest are timed again
+in each round, between (a) and (d), and their medians pick it.
 A 3000-record run on CPU takes several minutes. Exits 0 once everything was measured,
 whether or not the targets were met; 1 when a variant failed (or (d) passed --timeout).
 """
@@ -62,6 +60,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from harness import HarnessError, broker, worker
+from harness.auto import resolved
 from harness.baselines import (
     WARMUP_TEXTS,
     NaiveModel,
@@ -70,8 +69,17 @@ from harness.baselines import (
 )
 from harness.corpora import paragraphs as make_texts
 from harness.numbers import Padding, Rate, load_note, median_by
-from harness.peers import Peer, best, measure_peers, reference_peer, render_peers
-from harness.quality import Quality, quality
+from harness.peers import (
+    Peer,
+    Retime,
+    at_median,
+    best,
+    contenders,
+    measure_peers,
+    reference_peer,
+    render_peers,
+)
+from harness.quality import Quality, quality, render_quality
 from harness.shares import render_shares, time_spent
 
 from pipeline.core.config import DEFAULT_BOOTSTRAP, DEVICES, PRECISIONS, KafkaSettings, WorkerConfig
@@ -81,7 +89,6 @@ from pipeline.model.embedder import Embedder, pick_device
 from pipeline.model.precision import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_RECALL,
-    resolve_precision,
 )
 from pipeline.model.spec import resolve_model_path
 
@@ -225,12 +232,8 @@ def describe_hardware(device: str) -> str:
 
 
 def resolve(args: argparse.Namespace) -> tuple[str, str]:
-    """(device, precision), both concrete."""
-    from pipeline.core.corpus import sample_texts
-
-    device = pick_device(args.device)
-    precision = resolve_precision(args.model, device, args.precision, lambda: sample_texts(256))
-    return device, precision
+    """(device, precision), both concrete: resolved in a child (harness.auto)."""
+    return resolved(args.model, args.device, args.precision, args.timeout)
 
 
 # -- Kafka ----------------------------------------------------------------------------
@@ -417,17 +420,6 @@ def render(results: Results) -> str:
     return "\n".join(lines)
 
 
-def render_quality(q: Quality, precision: str) -> list[str]:
-    return [
-        f"quality of (d)'s stored vectors ({precision}) against fp32 (sentence-transformers):",
-        f"  rows {q.rows} for {q.expected} records ({q.distinct_ids} distinct ids), "
-        f"cosine mean {q.cosine_mean:.5f}, min {q.cosine_min:.5f}, "
-        f"recall@10 {q.recall_at_10:.3f}",
-        f"  {'PASS' if q.passed else 'FAIL'} (gate: every record once, cosine mean >= "
-        f"{DEFAULT_MIN_COSINE}, recall@10 >= {DEFAULT_MIN_RECALL})",
-    ]
-
-
 # -- main -----------------------------------------------------------------------------
 
 
@@ -465,7 +457,7 @@ def run_all(args: argparse.Namespace, workdir: Path, kafka: KafkaSettings) -> Re
     setup_note = load_note()
     # No torch work on this thread: each variant's OpenMP team comes and goes with
     # the fresh thread it runs on (see pipeline.core.host).
-    device, precision = call_on_fresh_thread(lambda: resolve(args))
+    device, precision = resolve(args)
     model_name, model_dir = resolve_model_path(args.model)
     texts, ids = make_texts(args.records), make_ids(args.records)
     embedder = call_on_fresh_thread(lambda: Embedder.load(args.model, precision, device))
@@ -501,7 +493,7 @@ def measure(
     setup = results.setup
     topic, (naive_group, *pipeline_groups) = setup["topic"], setup["groups"]
     say("(b) sentence-transformers")
-    rate_b, reference = call_on_fresh_thread(
+    rate_b, reference, retime_b = call_on_fresh_thread(
         lambda: bench_sentence_transformers(model_dir, setup["device"], texts)
     )
     say("(c) naive consumer")
@@ -517,23 +509,18 @@ def measure(
             warmup,
         )
     )
-    results.peers = [reference_peer(rate_b)]
+    measured: list[tuple[Peer, Retime]] = [(reference_peer(rate_b), retime_b)]
     if args.peers and setup["device"] == "cpu":
-        results.peers += measure_peers(model_dir, texts, reference, workdir, args.threads, say)
-    rates_a: list[Rate] = []
-    tokenize_shares: list[float] = []
-    runs: list[PipelineRun] = []
-    for n, group in enumerate(pipeline_groups):
-        round_note = f" (round {n + 1} of {args.repeat})" if args.repeat > 1 else ""
-        say(f"(a) raw model, in a fresh process{round_note}")
-        rate_a, tokenize_share = bench_raw_in_fresh_process(
-            args, setup["precision"], setup["device"]
-        )
-        rates_a.append(rate_a)
-        tokenize_shares.append(tokenize_share)
-        say(f"(d) pipeline run --until-end{round_note}")
-        output = workdir / f"pipeline-{n}"
-        runs.append(bench_pipeline(args, setup, group, output, workdir / f"run-{n}.log"))
+        measured += measure_peers(model_dir, texts, reference, workdir, args.threads, say)
+    # With rounds, "best" is a median too: its contenders run again in each round.
+    results.peers = [peer for peer, _ in measured]
+    retimed = contenders(measured) if args.repeat > 1 else []
+    del measured  # the other peers' models: not held through the rounds
+    rates_a, tokenize_shares, runs, peer_rounds = run_rounds(
+        args, setup, pipeline_groups, workdir, retimed
+    )
+    results.peers = [at_median(p, peer_rounds.get(p.rate.key, [])) for p in results.peers]
+    rate_b = results.peers[0].rate
     run = median_by(runs, lambda r: r.steady.per_s)
     setup["done_line"] = run.done_line
     setup["rounds"] = {
@@ -549,6 +536,36 @@ def measure(
     lengths = embedder.tokenize(texts).lengths
     results.padding += [*policy_padding(embedder, lengths, args.batch_size), naive_padding]
     results.quality = quality(workdir / f"pipeline-{runs.index(run)}", ids, reference)
+
+
+def run_rounds(
+    args: argparse.Namespace,
+    setup: dict[str, Any],
+    groups: list[str],
+    workdir: Path,
+    retimed: list[tuple[Peer, Retime]],
+) -> tuple[list[Rate], list[float], list[PipelineRun], dict[str, list[Rate]]]:
+    """Each round: (a) in a fresh process, the contenders for "best" again, then (d);
+    (a)'s rates and tokenizing shares, (d)'s runs, and each contender's rates."""
+    peer_rounds: dict[str, list[Rate]] = {peer.rate.key: [] for peer, _ in retimed}
+    rates_a: list[Rate] = []
+    tokenize_shares: list[float] = []
+    runs: list[PipelineRun] = []
+    for n, group in enumerate(groups):
+        round_note = f" (round {n + 1} of {args.repeat})" if args.repeat > 1 else ""
+        say(f"(a) raw model, in a fresh process{round_note}")
+        rate_a, tokenize_share = bench_raw_in_fresh_process(
+            args, setup["precision"], setup["device"]
+        )
+        rates_a.append(rate_a)
+        tokenize_shares.append(tokenize_share)
+        for peer, retime in retimed:
+            say(f"peer {peer.rate.name} again{round_note}")
+            peer_rounds[peer.rate.key].append(call_on_fresh_thread(retime))
+        say(f"(d) pipeline run --until-end{round_note}")
+        output = workdir / f"pipeline-{n}"
+        runs.append(bench_pipeline(args, setup, group, output, workdir / f"run-{n}.log"))
+    return rates_a, tokenize_shares, runs, peer_rounds
 
 
 def main(argv: list[str] | None = None) -> int:

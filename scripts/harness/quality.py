@@ -77,3 +77,14 @@ def quality(output: Path, ids: list[str], reference: np.ndarray) -> Quality:
         cosine_min=float(cosine.min()),
         recall_at_10=neighbour_recall(ref, cand),
     )
+
+
+def render_quality(q: Quality, precision: str) -> list[str]:
+    return [
+        f"quality of (d)'s stored vectors ({precision}) against fp32 (sentence-transformers):",
+        f"  rows {q.rows} for {q.expected} records ({q.distinct_ids} distinct ids), "
+        f"cosine mean {q.cosine_mean:.5f}, min {q.cosine_min:.5f}, "
+        f"recall@10 {q.recall_at_10:.3f}",
+        f"  {'PASS' if q.passed else 'FAIL'} (gate: every record once, cosine mean >= "
+        f"{DEFAULT_MIN_COSINE}, recall@10 >= {DEFAULT_MIN_RECALL})",
+    ]
