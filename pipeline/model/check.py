@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.model.precision import cosine_rows
+from pipeline.model.gate import cosine_rows
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)

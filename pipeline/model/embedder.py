@@ -260,6 +260,7 @@ class Embedder:
         net, used = network.load(spec, _encoder_choice(encoder))
         calibration = calibration_of(precision, engine, recipe)
         net = _apply_precision(spec, net, used, precision, device, engine, calibration)
+        calibration = net.recipe.name if getattr(net, "recipe", None) else calibration  # made
         info = spec.info(precision, device, engine, calibration)
         log.info(
             "model %s (%s) loaded: %s, %d dimensions, %s on %s (%s), %s encoder; prompts: "
@@ -543,8 +544,8 @@ def engine_for(precision: str) -> str:
 
 
 def calibration_of(precision: str, engine: str, recipe: str | None = None) -> str:
-    """How the weights were made int8, as the outputs record it ("" for float):
-    `recipe`, or the default one."""
+    """How the weights are made int8 ("" for float): `recipe`, or the default's name
+    (which chooses one per model at load: the outputs record the one chosen)."""
     from pipeline.model import openvino_engine
 
     if precision != "int8" or engine != "openvino":

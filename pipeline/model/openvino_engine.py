@@ -9,12 +9,15 @@ corpus (Chinese, code, another domain) is clipped outside a calibration sample's
 static int8 (NNCF, SmoothQuant, bias correction) was measured below the gate where
 dynamic int8 stays above it (docs/performance.md: precisions).
 
-Two recipes (`RECIPES`), each its own model identity:
-- the default smooths the network first (pipeline.model.smoothing: SmoothQuant's
+Three recipes (`RECIPES`), each its own model identity:
+- the smoothed ones smooth the network first (pipeline.model.smoothing: SmoothQuant's
   scales, measured on calibration text and folded exactly into the network), which
-  lets a whole token's row share one scale, and leaves the feed-forward
-  down-projections in floating point: 17 % faster than the first recipe on a 2-core
-  Zen 4, at its recall within half a point (docs/performance.md: smoothing);
+  lets a whole token's row share one scale. `SMOOTHED_DOWN` quantises the
+  feed-forward down-projections too, all but the first layer's; `SMOOTHED` leaves
+  them in floating point. The default (`RECIPE`) is SMOOTHED_DOWN where the model
+  keeps a margin over the precision gate with it (pipeline.model.int8_margin,
+  measured once at its conversion), else SMOOTHED (docs/performance.md: smoothing,
+  and the down-projections);
 - the first recipe, groups of 32 values and nothing smoothed, still made for the
   outputs that hold its vectors (an int8 output admits its own recipe's only).
 
@@ -45,7 +48,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.errors import ModelError
+from pipeline.model import int8_margin
 from pipeline.model.engine_process import EngineProcesses, last_line
+from pipeline.model.shapes import right_padded
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -60,7 +65,9 @@ class Recipe:
 
     name: str
     group: int  # activations quantised in groups of this many values of a token
-    smoothed: bool  # SmoothQuant's scales folded in, the down-projections in float
+    smoothed: bool  # SmoothQuant's scales folded in
+    # Smoothed only: the down-projections but the first layer's quantised (else float).
+    int8_down: bool = False
 
 
 # Measured on MiniLM (docs/performance.md): unsmoothed, groups of 32 kept recall@10
@@ -68,14 +75,16 @@ class Recipe:
 FIRST = Recipe("nncf-int8-asym-per-channel-weights+dynamic-int8-activations-g32", 32, False)
 # Smoothed, a row of 384 values shares one scale at about the first recipe's recall,
 # and runs faster (docs/performance.md: smoothing).
-SMOOTHED = Recipe(
-    "smoothquant-a0.7-stdlib300+nncf-int8-asym-per-channel-weights"
-    "+dynamic-int8-activations-g384+float-down-projections",
-    384,
-    True,
+_SMOOTHED = (
+    "smoothquant-a0.7-stdlib300+nncf-int8-asym-per-channel-weights+dynamic-int8-activations-g384"
 )
-RECIPES = {recipe.name: recipe for recipe in (SMOOTHED, FIRST)}
-RECIPE = SMOOTHED.name  # what int8 is made with, unless an output holds another
+SMOOTHED = Recipe(f"{_SMOOTHED}+float-down-projections", 384, True)
+# The first layer's down-projection is the one that costs most recall in int8.
+SMOOTHED_DOWN = Recipe(f"{_SMOOTHED}+int8-down-projections-but-the-first", 384, True, True)
+RECIPES = {recipe.name: recipe for recipe in (SMOOTHED_DOWN, SMOOTHED, FIRST)}
+# What int8 is made with, unless an output holds another: SMOOTHED_DOWN where the model
+# keeps the margin with it, else SMOOTHED (`default_recipe`). Outputs record which.
+RECIPE = f"{_SMOOTHED}+int8-down-projections-where-the-margin-holds"
 CALIBRATION_TEXTS = 300
 _CALIBRATION_BATCH = 16
 
@@ -260,6 +269,8 @@ class OpenVinoReplicas:
 
 def recipe_named(name: str) -> Recipe:
     """The int8 recipe an output records, or a ModelError naming the ones made here."""
+    if name == RECIPE:
+        raise ModelError(f"{RECIPE!r} chooses a recipe (default_recipe); it is none itself")
     if name not in RECIPES:
         raise ModelError(f"no int8 recipe {name!r} in this release (it makes {', '.join(RECIPES)})")
     return RECIPES[name]
@@ -279,7 +290,9 @@ def load(
         )
     import openvino as ov
 
-    made = recipe_named(recipe) if precision == "int8" else None
+    made = None
+    if precision == "int8":
+        made = default_recipe(spec, net, native) if recipe == RECIPE else recipe_named(recipe)
     folder = cache_dir() / _cache_key(spec, native, precision, made)
     with _CONVERT_LOCK:
         model = _read_cached(folder)
@@ -288,6 +301,22 @@ def load(
             model = ov.Core().read_model(str(folder / _XML))
     config = getattr(net, "config", None)
     return OpenVinoNetwork(model, config, precision, folder / _XML, made)
+
+
+def default_recipe(spec: ModelSpec, net: Any, native: bool) -> Recipe:
+    """SMOOTHED_DOWN where this model keeps the margin over the gate with it, else
+    SMOOTHED: measured when SMOOTHED_DOWN is converted, and kept beside its model."""
+    folder = cache_dir() / _cache_key(spec, native, "int8", SMOOTHED_DOWN)
+    with _CONVERT_LOCK:
+        verdict = int8_margin.read(folder) if _read_cached(folder) is not None else None
+        if verdict is None:  # not converted yet, or converted by a release that kept none
+            shutil.rmtree(folder, ignore_errors=True)
+            _convert(spec, net, native, SMOOTHED_DOWN, folder)
+            verdict = int8_margin.read(folder)
+    if verdict is None:
+        raise ModelError(f"OpenVINO: no margin measurement in {folder} after converting")
+    log.info("OpenVINO int8: %s", verdict.describe())
+    return SMOOTHED_DOWN if verdict.holds else SMOOTHED
 
 
 def _read_cached(folder: Path) -> Any:
@@ -335,6 +364,12 @@ def _convert(spec: ModelSpec, net: Any, native: bool, recipe: Recipe | None, fol
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     try:
+        if recipe is not None and recipe.int8_down:
+            compiled = OpenVinoNetwork(model, None, "int8", staging / _XML, recipe)
+            verdict = int8_margin.measure(
+                spec, net, native, compiled.compile(1, None), CALIBRATION_TEXTS
+            )
+            verdict.write(staging)
         # compress_to_fp16 False: the fp32 constants stay fp32 (the default halves them).
         ov.save_model(model, str(staging / _XML), compress_to_fp16=False)
         try:
@@ -374,7 +409,7 @@ def _smoothed(spec: ModelSpec, net: Any, native: bool, recipe: Recipe | None) ->
 
     def batches() -> Iterator[tuple[Any, Any]]:
         for start in range(0, len(rows), _CALIBRATION_BATCH):
-            ids, mask = _right_padded(rows[start : start + _CALIBRATION_BATCH], pad)
+            ids, mask = right_padded(rows[start : start + _CALIBRATION_BATCH], pad)
             yield torch.from_numpy(ids), torch.from_numpy(mask)
 
     def forward(ids: Any, mask: Any) -> Any:
@@ -423,14 +458,6 @@ def _converted(net: Any, native: bool) -> Any:
         raise ModelError(f"OpenVINO could not convert this model: {first}") from exc
 
 
-def _right_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """int64 ids and mask of token-id rows, right-padded to the longest."""
-    width = max(map(len, rows))
-    ids = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int64)
-    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=np.int64)
-    return ids, mask
-
-
 def _check_conversion(spec: ModelSpec, net: Any, native: bool, model: Any) -> None:
     """Refuses a conversion whose hidden states differ from torch's on a batch of
     another shape than the traced one, padded (a branch the trace fixed, a position
@@ -442,7 +469,7 @@ def _check_conversion(spec: ModelSpec, net: Any, native: bool, model: Any) -> No
 
     tokenizer = spec.tokenizer.backend(spec.max_length)
     rows = [e.ids for e in tokenizer.encode_batch(list(_PROBE))]
-    ids, mask = _right_padded(rows, spec.tokenizer.pad_token_id or 0)
+    ids, mask = right_padded(rows, spec.tokenizer.pad_token_id or 0)
     with torch.inference_mode():
         expected = network.forward(net, native, torch.from_numpy(ids), torch.from_numpy(mask))
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
@@ -460,7 +487,7 @@ def _check_conversion(spec: ModelSpec, net: Any, native: bool, model: Any) -> No
 
 def _down_projections(model: Any) -> list[str]:
     """The names of the matmuls whose constant weights read more values than they
-    write (pipeline.model.smoothing.quantised): the recipe leaves them in float."""
+    write (not pipeline.model.smoothing.smoothable), in the order the network runs them."""
     names = []
     for op in model.get_ordered_ops():
         if op.get_type_name() != "MatMul" or op.input_value(1).get_node().get_type_name() != (
@@ -487,7 +514,7 @@ def _compressed(model: Any, recipe: Recipe) -> Any:
     nncf_log.setLevel(logging.WARNING)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            ignored = _down_projections(model) if recipe.smoothed else []
+            ignored = _float_layers(model, recipe)
             return nncf.compress_weights(
                 model,
                 mode=nncf.CompressWeightsMode.INT8_ASYM,
@@ -495,3 +522,12 @@ def _compressed(model: Any, recipe: Recipe) -> Any:
             )
     finally:
         nncf_log.setLevel(level)
+
+
+def _float_layers(model: Any, recipe: Recipe) -> list[str]:
+    """The matmuls a recipe leaves in floating point: a smoothed recipe's down-
+    projections (all, or the first layer's only)."""
+    if not recipe.smoothed:
+        return []
+    downs = _down_projections(model)
+    return downs[:1] if recipe.int8_down else downs

@@ -28,19 +28,19 @@ from pipeline.core.errors import ModelError
 from pipeline.core.host import CpuPlan, plan_cpu, usable_cpus
 from pipeline.model import openvino_engine
 from pipeline.model.embedder import Embedder, cpu_has_native_bf16, engine_for, pick_device
+from pipeline.model.gate import (  # noqa: F401  (the gate's names, read from here too)
+    DEFAULT_GATE,
+    DEFAULT_MIN_COSINE,
+    DEFAULT_MIN_RECALL,
+    Gate,
+    cosine_rows,
+    neighbour_recall,
+)
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MIN_COSINE = 0.995
-DEFAULT_MIN_RECALL = 0.95
 SAMPLE_SIZE = 512
-
-
-@dataclass(frozen=True)
-class Gate:
-    min_cosine_mean: float = DEFAULT_MIN_COSINE
-    min_recall_at_10: float = DEFAULT_MIN_RECALL
 
 
 @dataclass(frozen=True)
@@ -58,29 +58,6 @@ class PrecisionReport:
     def selectable(self) -> bool:
         """Whether `--precision` runs this row (its precision on its own engine)."""
         return self.engine == engine_for(self.precision)
-
-
-def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    num = (a * b).sum(axis=1)
-    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return num / np.maximum(den, 1e-12)
-
-
-def neighbour_recall(reference: np.ndarray, candidate: np.ndarray, k: int = 10) -> float:
-    """Mean overlap of each row's k nearest neighbours (itself excluded) in both sets."""
-    k = min(k, len(reference) - 1)
-    if k <= 0:
-        return 1.0
-
-    def top_k(vectors: np.ndarray) -> np.ndarray:
-        unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        sims = unit @ unit.T
-        np.fill_diagonal(sims, -np.inf)
-        return np.argpartition(-sims, k, axis=1)[:, :k]
-
-    ref, cand = top_k(reference), top_k(candidate)
-    overlap = [len(set(r) & set(c)) for r, c in zip(ref, cand, strict=True)]
-    return float(np.mean(overlap) / k)
 
 
 def candidates_for(device: str) -> list[str]:
@@ -103,7 +80,7 @@ def check_precisions(
     device: str,
     texts: list[str],
     precisions: list[str] | None = None,
-    gate: Gate = Gate(),
+    gate: Gate = DEFAULT_GATE,
     sub_batch_tokens: int | None = None,
     extra_engines: bool = False,
     plan: CpuPlan | None = None,
@@ -304,7 +281,7 @@ def resolve_precision(
     device: str,
     requested: str,
     texts: Callable[[], list[str]],
-    gate: Gate = Gate(),
+    gate: Gate = DEFAULT_GATE,
     allowed: tuple[str, ...] | None = None,
     plan: CpuPlan | None = None,
 ) -> str:

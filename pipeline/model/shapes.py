@@ -181,3 +181,11 @@ def _ladder(most: int) -> tuple[int, ...]:
             counts.add(power * 3 // 2)
         power *= 2
     return tuple(sorted(counts))
+
+
+def right_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ids and mask of token-id rows, right-padded to the longest."""
+    width = max(map(len, rows))
+    ids = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int64)
+    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=np.int64)
+    return ids, mask

@@ -6,7 +6,7 @@ few channels of a transformer's activations run far larger than the rest (BERT's
 outlier dimensions), so a group that holds one quantises the others coarsely; that is
 why the first int8 recipe needed groups of 32. Smoothing moves that range into the
 weights, which are quantised per output channel and absorb it: for each linear layer
-whose input int8 quantises, a per-input-channel scale `s`,
+but the down-projections (`smoothable`), a per-input-channel scale `s`,
 
     y = W x = (W diag(s)) (x / s),    s_j = max|x_j| ** alpha / max|W[:, j]| ** (1 - alpha)
 
@@ -17,8 +17,10 @@ stays dynamic, each pass's own range, so text unlike the calibration's is not
 clipped.
 
 The layers that read more values than they write (the feed-forward block's
-down-projections, which read the activation function's outputs) stay in floating
-point: measured, they carry most of int8's loss even smoothed.
+down-projections, which read the activation function's outputs) are not smoothed:
+smoothed, they lost more than they did unsmoothed (docs/performance.md). They carry
+most of int8's loss: the recipe leaves them in floating point, or quantises them
+unsmoothed where the model keeps a margin over the gate (pipeline.model.int8_margin).
 """
 
 from __future__ import annotations
@@ -51,17 +53,17 @@ class SmoothedLinear(nn.Module):
         return self.linear(x * self.inverse)
 
 
-def quantised(linear: nn.Linear) -> bool:
-    """Whether int8 quantises this layer's input: not a down-projection (one that reads
+def smoothable(linear: nn.Linear) -> bool:
+    """Whether smoothing applies to this layer: not a down-projection (one that reads
     more values than it writes)."""
     return linear.in_features <= linear.out_features
 
 
 def _linears(net: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, layer) for every nn.Linear int8 quantises."""
+    """(parent, attribute, layer) for every nn.Linear smoothing applies to."""
     for parent in list(net.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and quantised(child):
+            if isinstance(child, nn.Linear) and smoothable(child):
                 yield parent, name, child
 
 
