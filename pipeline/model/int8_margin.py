@@ -1,13 +1,12 @@
 """Whether a model keeps a margin over the precision gate with its feed-forward
 down-projections in int8 too (pipeline.model.openvino_engine.SMOOTHED_DOWN).
 
-Those layers are a third of a pass's matmul work. In int8 they make int8 12 % faster
-on MiniLM, and they cost recall@10 about evenly across kinds of text (on MiniLM and
-multilingual-e5, 0.005-0.008 on English, Chinese, mixed text and log lines;
-docs/performance.md: the down-projections). The gate's sample is English. So the
-default recipe quantises them only for a model that keeps MARGIN over the gate's
-recall with them, on English: a model already near the gate (multilingual-e5 at
-0.963) keeps them in float, as its Chinese and mixed text would fall under it.
+Those layers are a third of a pass's matmul work: in int8 they make a pass faster,
+and they cost recall about evenly across kinds of text (docs/performance.md: the
+down-projections in int8 where the model keeps the margin). The gate's sample is
+English. So the default recipe quantises them only for a model that keeps MARGIN
+over the gate's recall with them: a model already near the gate keeps them in float,
+as its Chinese or mixed text would fall under it.
 
 Measured once per model and release, when SMOOTHED_DOWN is converted: its sentence
 vectors (the model's own pooling) against fp32 torch's, on stdlib paragraphs that
@@ -34,9 +33,11 @@ from pipeline.model.shapes import right_padded
 from pipeline.model.spec import ModelSpec
 
 VERDICT = "margin.json"
+# Enough paragraphs that recall@10 tells MiniLM (in int8) from multilingual-e5 (not):
+# on 300 the two read too close (docs/performance.md).
 TEXTS = 1500
 # recall@10 over the gate's, on the sample: the most that Chinese or mixed text fell
-# below English with these layers in int8 (0.011, on MiniLM and on multilingual-e5).
+# below English with these layers in int8, on the models measured.
 MARGIN = 0.012
 _BATCH = 16
 

@@ -2,10 +2,9 @@
 
 When no choice is remembered for the model and device, resolving measures every
 candidate precision: OpenVINO's engine processes and torch's thread teams run in the
-process that measures. A benchmark that measured in its own process then ran its
-torch peers 40 % slower (sentence-transformers bf16 153 against 256 texts/s on a
-2-core Zen 4, docs/performance.md), so the measurement runs in a child, as the
-benchmark's (a) does.
+process that measures. A benchmark that measured in its own process then ran every
+torch peer far slower (docs/performance.md: the down-projections in int8), so the
+measurement runs in a child, as the benchmark's (a) does.
 """
 
 from __future__ import annotations
