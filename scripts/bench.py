@@ -68,10 +68,9 @@ from harness.baselines import (
     bench_sentence_transformers,
 )
 from harness.corpora import paragraphs as make_texts
-from harness.numbers import Padding, Rate, load_note, median_by
+from harness.numbers import Padding, Rate, Timer, load_note, median_by
 from harness.peers import (
     Peer,
-    Retime,
     at_median,
     best,
     contenders,
@@ -229,11 +228,6 @@ def describe_hardware(device: str) -> str:
     from pipeline.model.precision import cpu_model
 
     return f"{cpu_model()}, {os.cpu_count()} cores"
-
-
-def resolve(args: argparse.Namespace) -> tuple[str, str]:
-    """(device, precision), both concrete: resolved in a child (harness.auto)."""
-    return resolved(args.model, args.device, args.precision, args.timeout)
 
 
 # -- Kafka ----------------------------------------------------------------------------
@@ -457,7 +451,8 @@ def run_all(args: argparse.Namespace, workdir: Path, kafka: KafkaSettings) -> Re
     setup_note = load_note()
     # No torch work on this thread: each variant's OpenMP team comes and goes with
     # the fresh thread it runs on (see pipeline.core.host).
-    device, precision = resolve(args)
+    # auto resolved in a child (harness.auto): measuring here slowed the torch peers.
+    device, precision = resolved(args.model, args.device, args.precision, args.timeout)
     model_name, model_dir = resolve_model_path(args.model)
     texts, ids = make_texts(args.records), make_ids(args.records)
     embedder = call_on_fresh_thread(lambda: Embedder.load(args.model, precision, device))
@@ -493,7 +488,7 @@ def measure(
     setup = results.setup
     topic, (naive_group, *pipeline_groups) = setup["topic"], setup["groups"]
     say("(b) sentence-transformers")
-    rate_b, reference, retime_b = call_on_fresh_thread(
+    rate_b, reference, timer_b = call_on_fresh_thread(
         lambda: bench_sentence_transformers(model_dir, setup["device"], texts)
     )
     say("(c) naive consumer")
@@ -509,7 +504,7 @@ def measure(
             warmup,
         )
     )
-    measured: list[tuple[Peer, Retime]] = [(reference_peer(rate_b), retime_b)]
+    measured: list[tuple[Peer, Timer]] = [(reference_peer(rate_b), timer_b)]
     if args.peers and setup["device"] == "cpu":
         measured += measure_peers(model_dir, texts, reference, workdir, args.threads, say)
     # With rounds, "best" is a median too: its contenders run again in each round.
@@ -543,7 +538,7 @@ def run_rounds(
     setup: dict[str, Any],
     groups: list[str],
     workdir: Path,
-    retimed: list[tuple[Peer, Retime]],
+    retimed: list[tuple[Peer, Timer]],
 ) -> tuple[list[Rate], list[float], list[PipelineRun], dict[str, list[Rate]]]:
     """Each round: (a) in a fresh process, the contenders for "best" again, then (d);
     (a)'s rates and tokenizing shares, (d)'s runs, and each contender's rates."""
@@ -559,9 +554,9 @@ def run_rounds(
         )
         rates_a.append(rate_a)
         tokenize_shares.append(tokenize_share)
-        for peer, retime in retimed:
+        for peer, timer in retimed:
             say(f"peer {peer.rate.name} again{round_note}")
-            peer_rounds[peer.rate.key].append(call_on_fresh_thread(retime))
+            peer_rounds[peer.rate.key].append(call_on_fresh_thread(timer))
         say(f"(d) pipeline run --until-end{round_note}")
         output = workdir / f"pipeline-{n}"
         runs.append(bench_pipeline(args, setup, group, output, workdir / f"run-{n}.log"))

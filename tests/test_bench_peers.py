@@ -4,7 +4,6 @@ median their rounds give (scripts/harness/peers.py). No model, no broker."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from harness.numbers import Rate  # noqa: E402
+from harness.numbers import Rate, Timer  # noqa: E402
 from harness.peers import CONTENDER_SHARE, Peer, at_median, best, contenders  # noqa: E402
 
 
@@ -24,14 +23,14 @@ def rate(key: str, per_s: float) -> Rate:
     return Rate.timed(key, key, 3000, 3000 / per_s)
 
 
-def retime(key: str, per_s: float) -> Callable[[], Rate]:
-    return lambda: rate(key, per_s)
+def timer(key: str) -> Timer:
+    return Timer(key, key, 3000, lambda: None)
 
 
 def test_contenders_are_the_passing_peers_near_the_fastest_that_passes() -> None:
     fastest, near, far = peer("fp32", 100.0), peer("bf16", 90.0), peer("onnx", 70.0)
     failing = peer("int8", 300.0, recall=0.8)  # faster, but under the gate: never "best"
-    measured = [(p, retime(p.rate.key, p.rate.per_s)) for p in (fastest, near, far, failing)]
+    measured = [(p, timer(p.rate.key)) for p in (fastest, near, far, failing)]
 
     picked = [p.rate.key for p, _ in contenders(measured)]
 

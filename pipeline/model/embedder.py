@@ -260,7 +260,7 @@ class Embedder:
         net, used = network.load(spec, _encoder_choice(encoder))
         calibration = calibration_of(precision, engine, recipe)
         net = _apply_precision(spec, net, used, precision, device, engine, calibration)
-        calibration = net.recipe.name if getattr(net, "recipe", None) else calibration  # made
+        calibration = net.recipe.name if getattr(net, "recipe", None) else calibration  # as made
         info = spec.info(precision, device, engine, calibration)
         log.info(
             "model %s (%s) loaded: %s, %d dimensions, %s on %s (%s), %s encoder; prompts: "

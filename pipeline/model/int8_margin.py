@@ -29,7 +29,7 @@ from pipeline.model.gate import (
     cosine_rows,
     neighbour_recall,
 )
-from pipeline.model.shapes import right_padded
+from pipeline.model.shapes import sorted_batches
 from pipeline.model.spec import ModelSpec
 
 VERDICT = "margin.json"
@@ -94,13 +94,12 @@ def measure(spec: ModelSpec, net: Any, native: bool, compiled: Any, calibration:
     from pipeline.model.head import Head
 
     tokenizer = spec.tokenizer.backend(spec.max_length)
-    rows = sorted((e.ids for e in tokenizer.encode_batch(sample(calibration))), key=len)
+    rows = [e.ids for e in tokenizer.encode_batch(sample(calibration))]
     head = Head(spec.stack, spec.truncate_dim)
     pad = spec.tokenizer.pad_token_id or 0
     expected, got = [], []
     with torch.inference_mode():
-        for start in range(0, len(rows), _BATCH):
-            ids, mask = right_padded(rows[start : start + _BATCH], pad)
+        for ids, mask in sorted_batches(rows, pad, _BATCH):
             real = torch.from_numpy(mask)
             hidden = network.forward(net, native, torch.from_numpy(ids), real)
             expected.append(head(hidden, real).numpy())

@@ -50,7 +50,7 @@ import numpy as np
 from pipeline.core.errors import ModelError
 from pipeline.model import int8_margin
 from pipeline.model.engine_process import EngineProcesses, last_line
-from pipeline.model.shapes import right_padded
+from pipeline.model.shapes import right_padded, sorted_batches
 from pipeline.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -308,8 +308,11 @@ def default_recipe(spec: ModelSpec, net: Any, native: bool) -> Recipe:
     SMOOTHED: measured when SMOOTHED_DOWN is converted, and kept beside its model."""
     folder = cache_dir() / _cache_key(spec, native, "int8", SMOOTHED_DOWN)
     with _CONVERT_LOCK:
-        verdict = int8_margin.read(folder) if _read_cached(folder) is not None else None
-        if verdict is None:  # not converted yet, or converted by a release that kept none
+        # The verdict is written before the folder is renamed into place: where it is,
+        # the conversion finished (a damaged model is converted again by `load`, when
+        # it is the one chosen).
+        verdict = int8_margin.read(folder)
+        if verdict is None:  # not converted yet, or measured on another sample
             shutil.rmtree(folder, ignore_errors=True)
             _convert(spec, net, native, SMOOTHED_DOWN, folder)
             verdict = int8_margin.read(folder)
@@ -402,14 +405,11 @@ def _smoothed(spec: ModelSpec, net: Any, native: bool, recipe: Recipe | None) ->
     from pipeline.model import network, smoothing
 
     tokenizer = spec.tokenizer.backend(spec.max_length)
-    rows = sorted(
-        (e.ids for e in tokenizer.encode_batch(calibration_texts(CALIBRATION_TEXTS))), key=len
-    )
+    rows = [e.ids for e in tokenizer.encode_batch(calibration_texts(CALIBRATION_TEXTS))]
     pad = spec.tokenizer.pad_token_id or 0
 
     def batches() -> Iterator[tuple[Any, Any]]:
-        for start in range(0, len(rows), _CALIBRATION_BATCH):
-            ids, mask = right_padded(rows[start : start + _CALIBRATION_BATCH], pad)
+        for ids, mask in sorted_batches(rows, pad, _CALIBRATION_BATCH):
             yield torch.from_numpy(ids), torch.from_numpy(mask)
 
     def forward(ids: Any, mask: Any) -> Any:

@@ -20,6 +20,7 @@ exact shapes cost by `scripts/hotpath.py shapes`.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -181,6 +182,16 @@ def _ladder(most: int) -> tuple[int, ...]:
             counts.add(power * 3 // 2)
         power *= 2
     return tuple(sorted(counts))
+
+
+def sorted_batches(
+    rows: list[list[int]], pad: int, size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Token-id rows sorted by length and cut `size` at a time, each batch right-padded
+    (`right_padded`): little padding for calibration and measurement passes."""
+    ordered = sorted(rows, key=len)
+    for start in range(0, len(ordered), size):
+        yield right_padded(ordered[start : start + size], pad)
 
 
 def right_padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:

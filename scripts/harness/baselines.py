@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from harness import HarnessError
-from harness.numbers import Padding, Rate
+from harness.numbers import Padding, Rate, Timer
 from pipeline.core.config import KafkaSettings
 from pipeline.model.spec import ModelSpec
 
@@ -26,22 +25,21 @@ NAIVE_IDLE_TIMEOUT_S = 120.0
 
 def bench_sentence_transformers(
     model_dir: Path, device: str, texts: list[str]
-) -> tuple[Rate, np.ndarray, Callable[[], Rate]]:
-    """(b)'s rate and vectors, and a function that times it again (the model loaded)."""
+) -> tuple[Rate, np.ndarray, Timer]:
+    """(b)'s rate and vectors, and its Timer (the model loaded) to time it again."""
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(model_dir), device=device)
     model.encode(texts[:WARMUP_TEXTS], batch_size=ST_BATCH, show_progress_bar=False)
     name = f"(b) sentence-transformers encode(batch_size={ST_BATCH}), fp32"
-
-    def timed() -> tuple[Rate, np.ndarray]:
-        started = time.perf_counter()
-        vectors = model.encode(texts, batch_size=ST_BATCH, show_progress_bar=False)
-        seconds = time.perf_counter() - started
-        return Rate.timed("b", name, len(texts), seconds), np.asarray(vectors, dtype=np.float32)
-
-    rate, vectors = timed()
-    return rate, vectors, lambda: timed()[0]
+    timer = Timer(
+        "b",
+        name,
+        len(texts),
+        lambda: model.encode(texts, batch_size=ST_BATCH, show_progress_bar=False),
+    )
+    rate, vectors = timer.timed()
+    return rate, np.asarray(vectors, dtype=np.float32), timer
 
 
 # -- (c) the naive consumer ----------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,26 @@ class Rate:
     @classmethod
     def timed(cls, key: str, name: str, texts: int, seconds: float) -> Rate:
         return cls(key, name, texts, seconds, texts / seconds if seconds > 0 else 0.0)
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Times one variant's encode of a benchmark's texts, as often as asked: its model
+    stays loaded (the benchmark times the contenders for "best" again each round)."""
+
+    key: str
+    name: str
+    texts: int
+    encode: Callable[[], Any]
+
+    def timed(self) -> tuple[Rate, Any]:
+        """The rate of one encode, and what it returned."""
+        started = time.perf_counter()
+        result = self.encode()
+        return Rate.timed(self.key, self.name, self.texts, time.perf_counter() - started), result
+
+    def __call__(self) -> Rate:
+        return self.timed()[0]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from harness.baselines import ST_BATCH, WARMUP_TEXTS
-from harness.numbers import Rate, median_by
+from harness.numbers import Rate, Timer, median_by
 from pipeline.model.precision import DEFAULT_MIN_COSINE, DEFAULT_MIN_RECALL, cosine_rows
 from pipeline.model.precision import neighbour_recall as recall_at_10
 from pipeline.model.spec import ModelSpec
@@ -44,8 +43,6 @@ CALIBRATION_TEXTS = 300
 CONTENDER_SHARE = 0.85
 # hidden states of (ids, mask), both int64 arrays
 Infer = Callable[[np.ndarray, np.ndarray], np.ndarray]
-# times a peer's encode of the benchmark's texts again
-Retime = Callable[[], Rate]
 
 
 @dataclass(frozen=True)
@@ -61,31 +58,15 @@ class Peer:
         return self.cosine_mean >= DEFAULT_MIN_COSINE and self.recall_at_10 >= DEFAULT_MIN_RECALL
 
 
-@dataclass(frozen=True)
-class Timer:
-    """Times a peer's encode of the benchmark's texts again; its model stays loaded."""
-
-    key: str
-    name: str
-    texts: int
-    encode: Callable[[], object]
-
-    def __call__(self) -> Rate:
-        started = time.perf_counter()
-        self.encode()
-        return Rate.timed(self.key, self.name, self.texts, time.perf_counter() - started)
-
-    def first(self, reference: np.ndarray) -> tuple[Peer, Timer]:
-        """The first timing, with the vectors' gate figures."""
-        started = time.perf_counter()
-        vectors = np.asarray(self.encode(), dtype=np.float32)
-        rate = Rate.timed(self.key, self.name, self.texts, time.perf_counter() - started)
-        return judged(rate, vectors, reference), self
-
-
 def judged(rate: Rate, vectors: np.ndarray, reference: np.ndarray) -> Peer:
     cos = cosine_rows(reference, vectors)
     return Peer(rate, float(cos.mean()), float(cos.min()), recall_at_10(reference, vectors))
+
+
+def first_timing(timer: Timer, reference: np.ndarray) -> tuple[Peer, Timer]:
+    """The peer's first timing, with its vectors' gate figures; its Timer for the rounds."""
+    rate, vectors = timer.timed()
+    return judged(rate, np.asarray(vectors, dtype=np.float32), reference), timer
 
 
 def reference_peer(rate: Rate) -> Peer:
@@ -103,7 +84,8 @@ def st_bf16(model_dir: Path, texts: list[str], reference: np.ndarray) -> tuple[P
     def encode() -> object:
         return model.encode(texts, batch_size=ST_BATCH, show_progress_bar=False)
 
-    return Timer("st-bf16", "sentence-transformers torch bf16", len(texts), encode).first(reference)
+    timer = Timer("st-bf16", "sentence-transformers torch bf16", len(texts), encode)
+    return first_timing(timer, reference)
 
 
 class Encoder:
@@ -143,8 +125,9 @@ class Encoder:
         self, key: str, name: str, infer: Infer, texts: list[str], reference: np.ndarray
     ) -> tuple[Peer, Timer]:
         self.encode(infer, texts[:WARMUP_TEXTS])
-        timer = Timer(key, name, len(texts), lambda: self.encode(infer, texts))
-        return timer.first(reference)
+        return first_timing(
+            Timer(key, name, len(texts), lambda: self.encode(infer, texts)), reference
+        )
 
     def batches(self, texts: list[str]) -> list[dict[str, np.ndarray]]:
         """Calibration inputs, one text each (as optimum feeds NNCF)."""
@@ -313,13 +296,13 @@ def best(peers: list[Peer]) -> Peer:
     return max((p for p in peers if p.passed), key=lambda p: p.rate.per_s)
 
 
-def contenders(measured: list[tuple[Peer, Retime]]) -> list[tuple[Peer, Retime]]:
+def contenders(measured: list[tuple[Peer, Timer]]) -> list[tuple[Peer, Timer]]:
     """The peers that could be "best": passing, and within CONTENDER_SHARE of the
     fastest that passes."""
     fastest = best([peer for peer, _ in measured]).rate.per_s
     return [
-        (peer, retime)
-        for peer, retime in measured
+        (peer, timer)
+        for peer, timer in measured
         if peer.passed and peer.rate.per_s >= CONTENDER_SHARE * fastest
     ]
 
